@@ -1,0 +1,161 @@
+"""MemGraph: vertices at fixed places of one preallocated arena, joined by data and memory edges.
+
+Built by ``memgraph.build`` from a TaskGraph and a Plan, checked by
+``memgraph.verify``, run by ``engine.run``. Everything here is plain data
+so it saves to a file and loads back exactly.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import pickle
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from turnip.memgraph.taskgraph import TaskGraph
+from turnip.planners.plan import Plan
+
+FORMAT_VERSION = 1
+
+
+class Kind(str, enum.Enum):
+    COMPUTE = "compute"  # runs a TaskGraph vertex's op into arena views
+    OFFLOAD = "offload"  # arena -> CPU storage slot
+    RELOAD = "reload"  # CPU storage slot -> arena
+    INPUT = "input"  # user batch tensor -> arena
+    OUTPUT = "output"  # arena -> the step's returned outputs
+
+
+class Stream(str, enum.Enum):
+    COMPUTE = "compute"
+    H2D = "h2d"
+    D2H = "d2h"
+
+
+class Edge(str, enum.Enum):
+    DATA = "data"
+    MEMORY = "memory"
+
+
+@dataclass(frozen=True)
+class Place:
+    """Bytes [offset, offset+nbytes) of the GPU arena ("gpu") or of the pinned CPU storage ("cpu")."""
+
+    where: str
+    offset: int
+    nbytes: int
+    device: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass
+class MVertex:
+    id: int
+    kind: Kind
+    stream: Stream
+    task_vertex: int = -1  # COMPUTE: vertex of mg.taskgraph whose op runs
+    value: int = -1  # OFFLOAD/RELOAD/INPUT/OUTPUT: the TaskGraph value moved
+    reads: dict[int, Place] = field(default_factory=dict)  # value id -> where it is read from
+    writes: dict[int, Place] = field(default_factory=dict)  # value id -> where it is written
+    workspace: int = 0  # bytes of temporary device memory while it runs
+    lock: str | None = None  # name of a lock held while running (sum-into accumulation)
+    name: str = ""  # output name for OUTPUT vertices
+
+
+@dataclass
+class MemGraph:
+    taskgraph: TaskGraph  # the graph it was built from (recomputation already expanded)
+    plan: Plan
+    vertices: list[MVertex] = field(default_factory=list)
+    edges: list[tuple[int, int, Edge]] = field(default_factory=list)  # (src, dst, type)
+    serial: list[int] = field(default_factory=list)  # the serial order it was built from (deterministic mode)
+    arena_bytes: int = 0
+    cpu_bytes: int = 0
+    alignment: int = 256
+    homes: dict[int, Place] = field(default_factory=dict)  # persistent value -> its home between steps
+    initial_state: dict[int, Any] = field(default_factory=dict)  # persistent value -> CPU tensor at compile time
+    names: dict[str, int] = field(default_factory=dict)  # state_dict key -> persistent value id
+    device: str = "cpu"
+    stats: dict = field(default_factory=dict)  # builder facts (edges dropped by reduction, ...)
+    runtime: Any = field(default=None, repr=False, compare=False)  # the engine's buffers; never saved
+
+    # -- structure ------------------------------------------------------------
+    def add_vertex(self, kind: Kind, stream: Stream, **attrs) -> int:
+        vid = len(self.vertices)
+        self.vertices.append(MVertex(vid, kind, stream, **attrs))
+        return vid
+
+    def add_edge(self, src: int, dst: int, kind: Edge) -> None:
+        self.edges.append((src, dst, kind))
+
+    def predecessors(self) -> list[list[int]]:
+        preds: list[set[int]] = [set() for _ in self.vertices]
+        for src, dst, _ in self.edges:
+            preds[dst].add(src)
+        return [sorted(p) for p in preds]
+
+    def successors(self) -> list[list[int]]:
+        succs: list[set[int]] = [set() for _ in self.vertices]
+        for src, dst, _ in self.edges:
+            succs[src].add(dst)
+        return [sorted(s) for s in succs]
+
+    # -- user facing ------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Current weights (after the last engine.run), keyed like the model's state_dict."""
+        if self.runtime is not None:
+            return self.runtime.state_dict(self)
+        return {name: self.initial_state[vid].clone() for name, vid in self.names.items()
+                if vid in self.initial_state}
+
+    def summary(self) -> dict:
+        kinds = Counter(v.kind.value for v in self.vertices)
+        edge_kinds = Counter(e[2].value for e in self.edges)
+        moved = Counter()
+        for v in self.vertices:
+            if v.kind in (Kind.OFFLOAD, Kind.RELOAD):
+                moved[v.kind.value] += sum(p.nbytes for p in v.writes.values())
+        return {
+            "vertices": len(self.vertices),
+            "vertices_by_kind": dict(kinds),
+            "edges": len(self.edges),
+            "data_edges": edge_kinds.get(Edge.DATA.value, 0),
+            "memory_edges": edge_kinds.get(Edge.MEMORY.value, 0),
+            "bytes_offloaded": moved.get(Kind.OFFLOAD.value, 0),
+            "bytes_reloaded": moved.get(Kind.RELOAD.value, 0),
+            "arena_bytes": self.arena_bytes,
+            "cpu_bytes": self.cpu_bytes,
+            "peak_cpu_bytes": self.stats.get("peak_cpu_bytes", self.cpu_bytes),
+            "edges_removed_by_reduction": self.stats.get("edges_removed_by_reduction", 0),
+            "planner": self.plan.planner,
+            "predicted_time": self.plan.predicted_time,
+        }
+
+    # -- files --------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        state = {k: v for k, v in self.__dict__.items() if k != "runtime"}
+        if self.runtime is not None:  # save the trained weights, not the compile-time ones
+            state["initial_state"] = self.runtime.persistent_state(self)
+        buf = io.BytesIO()
+        pickle.dump({"format": "turnip.memgraph", "version": FORMAT_VERSION, "state": state}, buf,
+                    protocol=pickle.HIGHEST_PROTOCOL)
+        Path(path).write_bytes(buf.getvalue())
+
+
+def load(path: str | Path) -> MemGraph:
+    with open(path, "rb") as f:
+        blob = pickle.load(f)  # noqa: S301 - a MemGraph file is trusted like a torch checkpoint
+    if not isinstance(blob, dict) or blob.get("format") != "turnip.memgraph":
+        raise ValueError(f"{path} is not a turnip MemGraph file")
+    if blob["version"] != FORMAT_VERSION:
+        raise ValueError(f"{path} has MemGraph format {blob['version']}, this turnip reads {FORMAT_VERSION}")
+    mg = MemGraph.__new__(MemGraph)
+    mg.__dict__.update(blob["state"])
+    mg.runtime = None
+    return mg

@@ -1,0 +1,205 @@
+"""TaskGraph: the traced training step as ATen-op vertices over dense tensor values.
+
+A *value* is one dense tensor (its own storage). A *vertex* is one ATen op
+call in program order; its argument template refers to values through
+`TensorRef` (a view of a value's storage, applied with ``as_strided`` at
+launch) and to per-step host scalars through `ScalarRef` (optimizer bias
+corrections and the like, computed on the host each step so the numbers
+match eager PyTorch exactly). Views never become vertices or values.
+
+The structure is plain data: it can be built by hand for synthetic graphs
+(``op`` is then any string) and is what planners and BuildMemGraph consume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+
+class ValueKind(str, enum.Enum):
+    BATCH = "batch"  # user input, copied in each step
+    PARAMETER = "parameter"  # trainable: updated by the step, bound to its output
+    FROZEN = "frozen"  # requires_grad=False parameter or buffer: read-only input
+    OPTIMIZER_STATE = "optimizer_state"  # updated by the step, bound to its output
+    CONSTANT = "constant"  # tensor baked into the trace (e.g. a scalar tensor)
+    INTERMEDIATE = "intermediate"  # produced by a vertex
+
+    @property
+    def is_input(self) -> bool:
+        return self is not ValueKind.INTERMEDIATE
+
+    @property
+    def is_persistent(self) -> bool:
+        """Lives across steps in a home (GPU arena or CPU storage)."""
+        return self in (ValueKind.PARAMETER, ValueKind.FROZEN, ValueKind.OPTIMIZER_STATE, ValueKind.CONSTANT)
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A strided view of a value's storage (sizes/strides/offset in elements)."""
+
+    value: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int = 0
+
+
+@dataclass(frozen=True)
+class ScalarRef:
+    """A host scalar resolved at launch from the step's scalar table (see OptimizerSpec)."""
+
+    name: str
+
+
+@dataclass
+class Value:
+    id: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: Any  # torch.dtype for traced graphs; anything for synthetic ones
+    nbytes: int  # bytes of the value's storage
+    kind: ValueKind = ValueKind.INTERMEDIATE
+    producer: int = -1  # vertex id, -1 for inputs
+    name: str = ""  # input name, e.g. "param:blocks.0.attn.weight" or "batch:0"
+
+    @property
+    def dense_ref(self) -> TensorRef:
+        return TensorRef(self.id, tuple(self.shape), tuple(self.stride), 0)
+
+
+@dataclass
+class Vertex:
+    id: int
+    op: str  # qualified ATen overload name, e.g. "aten::mm" or "aten::add.Tensor"
+    args: tuple = ()  # template: constants, TensorRef, ScalarRef, nested lists/tuples
+    kwargs: dict = field(default_factory=dict)
+    outputs: tuple[int, ...] = ()  # value ids, in the op's return order (-1: output unused)
+    module: str = ""  # module path it came from ("" for backward/optimizer when unknown)
+    phase: str = "forward"  # "forward" | "backward" | "optimizer"
+    random: bool = False  # consumes the RNG: replayed with a per-vertex generator state
+    time: float = 0.0  # seconds (estimated or measured)
+    workspace: int = 0  # temporary bytes the op needs beyond its outputs
+    recompute_of: int = -1  # for a recomputed copy: the original vertex (same RNG state, same op)
+
+    def refs(self) -> Iterator[TensorRef]:
+        yield from iter_refs(self.args)
+        yield from iter_refs(self.kwargs)
+
+    def inputs(self) -> list[int]:
+        """Value ids read, in first-use order, without duplicates."""
+        seen: dict[int, None] = {}
+        for ref in self.refs():
+            seen.setdefault(ref.value, None)
+        return list(seen)
+
+
+def iter_refs(template: Any) -> Iterator[TensorRef]:
+    if isinstance(template, TensorRef):
+        yield template
+    elif isinstance(template, (list, tuple)):
+        for item in template:
+            yield from iter_refs(item)
+    elif isinstance(template, dict):
+        for item in template.values():
+            yield from iter_refs(item)
+
+
+def map_refs(template: Any, fn) -> Any:
+    """Rebuild a template with every TensorRef replaced by fn(ref)."""
+    if isinstance(template, TensorRef):
+        return fn(template)
+    if isinstance(template, list):
+        return [map_refs(t, fn) for t in template]
+    if isinstance(template, tuple):
+        return tuple(map_refs(t, fn) for t in template)
+    if isinstance(template, dict):
+        return {k: map_refs(t, fn) for k, t in template.items()}
+    return template
+
+
+@dataclass
+class TaskGraph:
+    values: list[Value] = field(default_factory=list)
+    vertices: list[Vertex] = field(default_factory=list)  # ids == positions == a valid program order
+    outputs: dict[str, int] = field(default_factory=dict)  # "loss" -> value id, and other step outputs
+    bindings: dict[int, int] = field(default_factory=dict)  # persistent input value id -> updated value id
+    optimizer: Any = None  # OptimizerSpec for traced graphs (scalar table per step)
+    device: str = "cpu"  # device type the graph was traced for
+    example_batch: list[tuple[str, tuple[int, ...], Any]] = field(default_factory=list)  # (name, shape, dtype)
+
+    # -- construction -------------------------------------------------------
+    def add_value(self, shape, stride, dtype, nbytes, kind=ValueKind.INTERMEDIATE, producer=-1, name="") -> int:
+        vid = len(self.values)
+        self.values.append(Value(vid, tuple(shape), tuple(stride), dtype, int(nbytes), kind, producer, name))
+        return vid
+
+    def add_vertex(self, op: str, args=(), kwargs=None, outputs=(), **attrs) -> int:
+        vid = len(self.vertices)
+        self.vertices.append(Vertex(vid, op, args, kwargs or {}, tuple(outputs), **attrs))
+        for out in outputs:
+            if out >= 0:
+                self.values[out].producer = vid
+        return vid
+
+    # -- queries ------------------------------------------------------------
+    def inputs_of_kind(self, *kinds: ValueKind) -> list[int]:
+        return [v.id for v in self.values if v.kind in kinds]
+
+    def consumers(self) -> list[list[int]]:
+        """consumers()[value] = vertex ids reading it, in program order."""
+        users: list[list[int]] = [[] for _ in self.values]
+        for vertex in self.vertices:
+            for vid in vertex.inputs():
+                users[vid].append(vertex.id)
+        return users
+
+    def validate(self) -> None:
+        """Raise ValueError if the structure breaks the contract (program order, producers, refs)."""
+        for vertex in self.vertices:
+            for ref in vertex.refs():
+                val = self.values[ref.value]
+                if val.kind is ValueKind.INTERMEDIATE and val.producer >= vertex.id:
+                    raise ValueError(f"vertex {vertex.id} ({vertex.op}) reads value {ref.value} before it is produced")
+            for out in vertex.outputs:
+                if out >= 0 and self.values[out].producer != vertex.id:
+                    raise ValueError(f"value {out} names producer {self.values[out].producer}, not {vertex.id}")
+        for src, dst in self.bindings.items():
+            if not self.values[src].kind.is_persistent:
+                raise ValueError(f"binding from non-persistent value {src}")
+
+    def summary(self) -> dict:
+        """Vertex counts by op and the byte totals a user asks about first."""
+        by_kind = Counter()
+        for v in self.values:
+            by_kind[v.kind.value] += v.nbytes
+        consumers = self.consumers()
+        saved = 0  # forward activations read by the backward pass
+        for v in self.values:
+            if v.kind is ValueKind.INTERMEDIATE and v.producer >= 0 and self.vertices[v.producer].phase == "forward":
+                if any(self.vertices[c].phase == "backward" for c in consumers[v.id]):
+                    saved += v.nbytes
+        return {
+            "vertices": len(self.vertices),
+            "values": len(self.values),
+            "ops": dict(Counter(v.op for v in self.vertices).most_common()),
+            "vertices_by_phase": dict(Counter(v.phase for v in self.vertices)),
+            "bytes_total": sum(v.nbytes for v in self.values),
+            "bytes_by_kind": dict(by_kind),
+            "bytes_parameters": by_kind[ValueKind.PARAMETER.value] + by_kind[ValueKind.FROZEN.value],
+            "bytes_optimizer_states": by_kind[ValueKind.OPTIMIZER_STATE.value],
+            "bytes_saved_for_backward": saved,
+        }
+
+    def copy(self) -> "TaskGraph":
+        return dataclasses.replace(
+            self,
+            values=[dataclasses.replace(v) for v in self.values],
+            vertices=[dataclasses.replace(v, kwargs=dict(v.kwargs)) for v in self.vertices],
+            outputs=dict(self.outputs),
+            bindings=dict(self.bindings),
+            example_batch=list(self.example_batch),
+        )
