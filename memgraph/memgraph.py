@@ -27,6 +27,7 @@ class Kind(str, enum.Enum):
     RELOAD = "reload"  # CPU storage slot -> arena
     INPUT = "input"  # user batch tensor -> arena
     OUTPUT = "output"  # arena -> the step's returned outputs
+    COPY = "copy"  # arena -> arena bytes (an updated parameter/state into its GPU home)
 
 
 class Stream(str, enum.Enum):

@@ -194,6 +194,35 @@ class TaskGraph:
             "bytes_saved_for_backward": saved,
         }
 
+    def live_peak(self, order: list[int] | None = None, alignment: int = 1) -> int:
+        """Peak bytes with everything on the GPU: persistent inputs always, batch and
+        intermediates from production (or step start) to their last reader.
+        This is the "unplanned peak" that fractional budgets refer to."""
+        order = list(range(len(self.vertices))) if order is None else order
+
+        def size(vid: int) -> int:
+            return -(-self.values[vid].nbytes // alignment) * alignment
+
+        last_use = {}
+        for pos, vid in enumerate(order):
+            for val in self.vertices[vid].inputs():
+                last_use[val] = pos
+        keep = set(self.outputs.values()) | set(self.bindings.values())
+        live = sum(size(v.id) for v in self.values if v.kind.is_input)
+        peak = live
+        frees: dict[int, int] = {}
+        for val, pos in last_use.items():
+            if val not in keep and self.values[val].kind in (ValueKind.INTERMEDIATE, ValueKind.BATCH):
+                frees[pos] = frees.get(pos, 0) + size(val)
+        for pos, vid in enumerate(order):
+            vertex = self.vertices[vid]
+            live += sum(size(o) for o in vertex.outputs if o >= 0)
+            peak = max(peak, live + vertex.workspace)
+            live -= frees.get(pos, 0)
+            # outputs nobody reads die at once
+            live -= sum(size(o) for o in vertex.outputs if o >= 0 and o not in last_use and o not in keep)
+        return peak
+
     def copy(self) -> "TaskGraph":
         return dataclasses.replace(
             self,
