@@ -84,16 +84,24 @@ class Vertex:
     time: float = 0.0  # seconds (estimated or measured)
     workspace: int = 0  # temporary bytes the op needs beyond its outputs
     recompute_of: int = -1  # for a recomputed copy: the original vertex (same RNG state, same op)
+    # In-place ATen ops stay in-place (the exact eager kernel): each (old, new) pair says
+    # "copy value old into new's buffer, then run the op"; refs in args to `new` are the
+    # mutated views.
+    copy_in: tuple[tuple[int, int], ...] = ()
 
     def refs(self) -> Iterator[TensorRef]:
         yield from iter_refs(self.args)
         yield from iter_refs(self.kwargs)
 
     def inputs(self) -> list[int]:
-        """Value ids read, in first-use order, without duplicates."""
+        """Value ids read, in first-use order, without duplicates (own outputs excluded)."""
         seen: dict[int, None] = {}
+        for old, _ in self.copy_in:
+            seen.setdefault(old, None)
+        own = set(self.outputs)
         for ref in self.refs():
-            seen.setdefault(ref.value, None)
+            if ref.value not in own:
+                seen.setdefault(ref.value, None)
         return list(seen)
 
 
@@ -129,7 +137,10 @@ class TaskGraph:
     bindings: dict[int, int] = field(default_factory=dict)  # persistent input value id -> updated value id
     optimizer: Any = None  # OptimizerSpec for traced graphs (scalar table per step)
     device: str = "cpu"  # device type the graph was traced for
-    example_batch: list[tuple[str, tuple[int, ...], Any]] = field(default_factory=list)  # (name, shape, dtype)
+    batch_inputs: list[int] = field(default_factory=list)  # BATCH value ids in the batch's pytree leaf order
+    batch_spec: Any = None  # torch.utils._pytree TreeSpec of the example batch (None for synthetic graphs)
+    initial_state: dict[int, Any] = field(default_factory=dict)  # persistent value -> its tensor at trace time
+    state_names: dict[str, int] = field(default_factory=dict)  # model state_dict key -> persistent value id
 
     # -- construction -------------------------------------------------------
     def add_value(self, shape, stride, dtype, nbytes, kind=ValueKind.INTERMEDIATE, producer=-1, name="") -> int:
@@ -160,10 +171,10 @@ class TaskGraph:
     def validate(self) -> None:
         """Raise ValueError if the structure breaks the contract (program order, producers, refs)."""
         for vertex in self.vertices:
-            for ref in vertex.refs():
-                val = self.values[ref.value]
+            for vid in vertex.inputs():
+                val = self.values[vid]
                 if val.kind is ValueKind.INTERMEDIATE and val.producer >= vertex.id:
-                    raise ValueError(f"vertex {vertex.id} ({vertex.op}) reads value {ref.value} before it is produced")
+                    raise ValueError(f"vertex {vertex.id} ({vertex.op}) reads value {vid} before it is produced")
             for out in vertex.outputs:
                 if out >= 0 and self.values[out].producer != vertex.id:
                     raise ValueError(f"value {out} names producer {self.values[out].producer}, not {vertex.id}")
@@ -230,5 +241,7 @@ class TaskGraph:
             vertices=[dataclasses.replace(v, kwargs=dict(v.kwargs)) for v in self.vertices],
             outputs=dict(self.outputs),
             bindings=dict(self.bindings),
-            example_batch=list(self.example_batch),
+            batch_inputs=list(self.batch_inputs),
+            initial_state=dict(self.initial_state),
+            state_names=dict(self.state_names),
         )

@@ -64,9 +64,13 @@ class Plan:
                 raise ValueError(f"only forward vertices can be recomputed, not {rc.vertex} ({vertex.op})")
             pending.setdefault(rc.before, []).append(rc.vertex)
         rename: dict[int, int] = {}
+        own: dict[int, int] = {}  # the copy's own outputs (refs to them are in-place targets)
 
         def renamed(ref: TensorRef) -> TensorRef:
             return dataclasses.replace(ref, value=rename[ref.value]) if ref.value in rename else ref
+
+        def renamed_own(ref: TensorRef) -> TensorRef:
+            return dataclasses.replace(ref, value=own[ref.value]) if ref.value in own else renamed(ref)
 
         new_order: list[int] = []
         for vid in order:
@@ -80,17 +84,21 @@ class Plan:
                     val = graph.values[out]
                     outs.append(graph.add_value(val.shape, val.stride, val.dtype, val.nbytes,
                                                 ValueKind.INTERMEDIATE, name=val.name))
-                copy_id = graph.add_vertex(src.op, map_refs(src.args, renamed), map_refs(src.kwargs, renamed),
-                                           outs, module=src.module, phase="recompute", random=src.random,
-                                           time=src.time, workspace=src.workspace, recompute_of=orig)
                 for old, new in zip(src.outputs, outs):
                     if old >= 0:
-                        rename[old] = new
+                        own[old] = new
+                copy_id = graph.add_vertex(src.op, map_refs(src.args, renamed_own), map_refs(src.kwargs, renamed_own),
+                                           outs, module=src.module, phase="recompute", random=src.random,
+                                           time=src.time, workspace=src.workspace, recompute_of=orig,
+                                           copy_in=tuple((rename.get(o, o), own[n]) for o, n in src.copy_in))
+                rename.update(own)
+                own.clear()
                 new_order.append(copy_id)
             if rename:
                 v = graph.vertices[vid]
                 v.args = map_refs(v.args, renamed)
                 v.kwargs = map_refs(v.kwargs, renamed)
+                v.copy_in = tuple((rename.get(o, o), n) for o, n in v.copy_in)
             new_order.append(vid)
         if pending:
             raise ValueError(f"recompute targets {sorted(pending)} are not in the order")

@@ -1,0 +1,106 @@
+"""Run one TaskGraph vertex: its ATen op over resolved views, results into preallocated outputs.
+
+Shared by the reference executor (outputs allocated here) and the engines
+(outputs are views of arena bytes). In-place ops run in place on the output
+buffer after copying the old version in, so every kernel is the one eager
+PyTorch runs and the numbers match bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from turnip.kernels.ops import resolve_op
+from turnip.kernels.rng import RngReplay, replay
+from turnip.kernels.views import ref_view
+from turnip.memgraph.taskgraph import ScalarRef, TaskGraph, TensorRef, Vertex
+
+Resolve = Callable[[TensorRef], torch.Tensor]
+
+
+def _materialize(template, resolve: Resolve, scalars: Mapping[str, float]):
+    if isinstance(template, TensorRef):
+        return resolve(template)
+    if isinstance(template, ScalarRef):
+        return scalars[template.name]
+    if isinstance(template, list):
+        return [_materialize(t, resolve, scalars) for t in template]
+    if isinstance(template, tuple):
+        return tuple(_materialize(t, resolve, scalars) for t in template)
+    if isinstance(template, dict):
+        return {k: _materialize(t, resolve, scalars) for k, t in template.items()}
+    return template
+
+
+def _flat_results(result) -> list:
+    if isinstance(result, (tuple, list)):
+        flat = []
+        for item in result:
+            flat.extend(_flat_results(item))
+        return flat
+    return [result]
+
+
+def run_vertex(vertex: Vertex, resolve: Resolve, outputs: Sequence[torch.Tensor | None] | None,
+               scalars: Mapping[str, float], rng_state: torch.Tensor | None, device: torch.device,
+               allocate: Callable[[int], torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+    """Run `vertex`. `resolve(ref)` gives a view of an input value. `outputs[i]` is the buffer of
+    value vertex.outputs[i] (None where the output is unused); pass outputs=None to let the op
+    allocate (functional ops) or `allocate(value_id)` create the buffer (in-place ops).
+    Returns the output tensors."""
+    op = resolve_op(vertex.op)
+    outs: list[torch.Tensor | None] = list(outputs) if outputs is not None else [None] * len(vertex.outputs)
+    own = {vid: i for i, vid in enumerate(vertex.outputs) if vid >= 0}
+    if vertex.copy_in:
+        for old, new in vertex.copy_in:
+            i = own[new]
+            if outs[i] is None:
+                outs[i] = allocate(new)
+            src = resolve(TensorRef(old, tuple(outs[i].shape), tuple(outs[i].stride()), 0))
+            outs[i].copy_(src)
+
+    def resolve_own(ref: TensorRef) -> torch.Tensor:
+        i = own.get(ref.value)
+        return ref_view(outs[i], ref) if i is not None else resolve(ref)
+
+    args = _materialize(vertex.args, resolve_own, scalars)
+    kwargs = _materialize(vertex.kwargs, resolve_own, scalars)
+    result = replay(rng_state, device, lambda: op(*args, **kwargs))
+    if vertex.copy_in:  # in-place: the outputs already hold the result
+        return outs
+    flat = _flat_results(result)
+    if len(flat) < len(vertex.outputs):
+        raise RuntimeError(f"{vertex.op} returned {len(flat)} results, the graph expects {len(vertex.outputs)}")
+    for i, vid in enumerate(vertex.outputs):
+        if vid < 0:
+            continue
+        if outs[i] is None:
+            outs[i] = flat[i]
+        else:
+            if tuple(outs[i].shape) != tuple(flat[i].shape):
+                raise RuntimeError(f"{vertex.op} output {i} has shape {tuple(flat[i].shape)}, "
+                                   f"its place holds {tuple(outs[i].shape)}")
+            outs[i].copy_(flat[i])
+    return outs
+
+
+class StepContext:
+    """Per-step host state: the optimizer's scalars and the random vertices' generator states."""
+
+    def __init__(self, taskgraph: TaskGraph, step: int, device: torch.device | str, rng: RngReplay | None = None):
+        self.taskgraph = taskgraph
+        self.step = step
+        self.device = torch.device(device)
+        self.scalars = taskgraph.optimizer.scalars(step) if taskgraph.optimizer is not None else {}
+        rng = rng if rng is not None else RngReplay(taskgraph, self.device)
+        self.rng_states = rng.capture()
+
+    def rng_state(self, vertex: Vertex) -> torch.Tensor | None:
+        if not vertex.random:
+            return None
+        return self.rng_states[vertex.recompute_of if vertex.recompute_of >= 0 else vertex.id]
+
+    def run(self, vertex: Vertex, resolve: Resolve, outputs: Sequence[torch.Tensor | None]) -> None:
+        run_vertex(vertex, resolve, outputs, self.scalars, self.rng_state(vertex), self.device)

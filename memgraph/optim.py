@@ -1,0 +1,189 @@
+"""The optimizer update as functional TaskGraph vertices, numerically identical to torch.optim.
+
+Hyperparameters are read from the user's torch optimizer. Quantities that
+change from step to step (Adam's bias corrections, SGD's first-step momentum
+rule) and the hyperparameters themselves are `ScalarRef`s resolved on the host
+each step by `OptimizerSpec.scalars`, computed in Python floats exactly as
+torch.optim's single-tensor implementation does, so the kernels see the same
+scalars eager PyTorch passes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from turnip.kernels.ops import op_name
+from turnip.memgraph.errors import UnsupportedFeature
+from turnip.memgraph.taskgraph import ScalarRef, TaskGraph, TensorRef
+
+aten = torch.ops.aten
+
+_DEFAULTS_REFUSED = {  # option -> value we support; anything else is refused by name
+    "amsgrad": False,
+    "maximize": False,
+    "differentiable": False,
+}
+
+
+@dataclass
+class OptimizerSpec:
+    kind: str  # "sgd" | "adam" | "adamw"
+    groups: list[dict] = field(default_factory=list)  # per param group: lr, betas, eps, weight_decay, momentum, ...
+    initial_step: int = 0  # steps the torch optimizer had already taken
+
+    def scalars(self, step: int) -> dict[str, float]:
+        """Host scalars for the `step`-th update (1-based), as torch.optim computes them."""
+        out: dict[str, float] = {}
+        for g, hp in enumerate(self.groups):
+            lr, wd = hp["lr"], hp["weight_decay"]
+            if self.kind == "sgd":
+                first = step == 1
+                out[f"g{g}.neg_lr"] = -lr
+                out[f"g{g}.weight_decay"] = wd
+                out[f"g{g}.momentum"] = hp["momentum"]
+                # buffers start at -0.0: -0.0 * 0 + grad * 1 == grad.clone() bit for bit
+                out[f"g{g}.buf_scale"] = 0.0 if first else hp["momentum"]
+                out[f"g{g}.grad_scale"] = 1.0 if first else 1 - hp["dampening"]
+            else:
+                beta1, beta2 = hp["betas"]
+                step_f = float(step)  # eager reads the float32 step tensor back as a Python float
+                bias_correction1 = 1 - beta1**step_f
+                bias_correction2 = 1 - beta2**step_f
+                step_size = lr / bias_correction1
+                out[f"g{g}.one_minus_beta1"] = 1 - beta1
+                out[f"g{g}.beta2"] = beta2
+                out[f"g{g}.one_minus_beta2"] = 1 - beta2
+                out[f"g{g}.bias_correction2_sqrt"] = bias_correction2**0.5
+                out[f"g{g}.eps"] = hp["eps"]
+                out[f"g{g}.neg_step_size"] = -step_size
+                out[f"g{g}.weight_decay"] = wd
+                out[f"g{g}.decay_factor"] = 1 - lr * wd
+        return out
+
+
+def spec_from_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
+    """Read kind and hyperparameters, refusing what the functional update does not reproduce."""
+    cls = type(optimizer)
+    kinds = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+    if cls not in kinds:
+        raise UnsupportedFeature(f"optimizer {cls.__name__} is not supported (supported: SGD, Adam, AdamW)")
+    kind = kinds[cls]
+    groups = []
+    steps = set()
+    for i, group in enumerate(optimizer.param_groups):
+        for option, supported in _DEFAULTS_REFUSED.items():
+            if option in group and bool(group[option]) != supported:
+                raise UnsupportedFeature(f"{cls.__name__} option {option}={group[option]} (param group {i}) "
+                                         f"is not supported")
+        hp = {}
+        for key in ("lr", "weight_decay", "momentum", "dampening", "nesterov", "betas", "eps"):
+            if key in group:
+                val = group[key]
+                if isinstance(val, torch.Tensor) or (key == "betas" and any(isinstance(b, torch.Tensor) for b in val)):
+                    raise UnsupportedFeature(f"{cls.__name__} option {key} given as a tensor (param group {i}): "
+                                             "pass a Python float")
+                hp[key] = tuple(float(b) for b in val) if key == "betas" else val
+        if kind == "adam" and group.get("decoupled_weight_decay", False):
+            kind = "adamw"
+        groups.append(hp)
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if "step" in state:
+                steps.add(int(state["step"]))
+            elif kind == "sgd" and state.get("momentum_buffer") is not None:
+                steps.add(1)  # SGD keeps no step count: any buffer means "not the first step"
+            else:
+                steps.add(0)
+    if len(steps) > 1:
+        raise UnsupportedFeature(f"{cls.__name__} parameters have taken different numbers of steps {sorted(steps)}")
+    return OptimizerSpec(kind, groups, steps.pop() if steps else 0)
+
+
+def initial_states(spec: OptimizerSpec, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The optimizer state tensors a parameter starts with (its current torch state, or eager's init)."""
+    state = optimizer.state.get(param, {})
+    if spec.kind == "sgd":
+        momentum = next(g["momentum"] for g in optimizer.param_groups if any(p is param for p in g["params"]))
+        if momentum == 0:
+            return {}
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = torch.full_like(param, -0.0, memory_format=torch.preserve_format)
+        return {"momentum_buffer": buf.detach()}
+    if "exp_avg" in state:
+        return {"exp_avg": state["exp_avg"].detach(), "exp_avg_sq": state["exp_avg_sq"].detach()}
+    zeros = torch.zeros_like(param, memory_format=torch.preserve_format).detach()
+    return {"exp_avg": zeros, "exp_avg_sq": zeros.clone()}
+
+
+class UpdateEmitter:
+    """Appends the update of one parameter to a TaskGraph, inferring output layouts on the meta device."""
+
+    def __init__(self, tg: TaskGraph, spec: OptimizerSpec, module: str = ""):
+        self.tg, self.spec, self.module = tg, spec, module
+
+    def _meta(self, template):
+        if isinstance(template, TensorRef):
+            val = self.tg.values[template.value]
+            return torch.empty_strided(template.size, template.stride, dtype=val.dtype, device="meta")
+        if isinstance(template, ScalarRef):
+            return 0.5
+        if isinstance(template, (list, tuple)):
+            return type(template)(self._meta(t) for t in template)
+        if isinstance(template, dict):
+            return {k: self._meta(t) for k, t in template.items()}
+        return template
+
+    def emit(self, op, *args, **kwargs) -> TensorRef:
+        out = op(*self._meta(args), **self._meta(kwargs))
+        nbytes = out.untyped_storage().nbytes()
+        vid = self.tg.add_value(out.shape, out.stride(), out.dtype, nbytes)
+        self.tg.add_vertex(op_name(op), args, kwargs, (vid,), module=self.module, phase="optimizer")
+        return self.tg.values[vid].dense_ref
+
+    def update(self, group: int, param: TensorRef, grad: TensorRef, states: dict[str, TensorRef]) -> tuple[TensorRef, dict]:
+        """Returns (new param, new states) as refs to freshly produced values."""
+        def s(name: str) -> ScalarRef:
+            return ScalarRef(f"g{group}.{name}")
+
+        hp = self.spec.groups[group]
+        if self.spec.kind == "sgd":
+            if hp["weight_decay"] != 0:
+                grad = self.emit(aten.add.Tensor, grad, param, alpha=s("weight_decay"))
+            new_states = {}
+            if hp["momentum"] != 0:
+                buf = self.emit(aten.mul.Tensor, states["momentum_buffer"], s("buf_scale"))
+                buf = self.emit(aten.add.Tensor, buf, grad, alpha=s("grad_scale"))
+                new_states["momentum_buffer"] = buf
+                grad = self.emit(aten.add.Tensor, grad, buf, alpha=s("momentum")) if hp.get("nesterov") else buf
+            return self.emit(aten.add.Tensor, param, grad, alpha=s("neg_lr")), new_states
+        decoupled = self.spec.kind == "adamw"
+        if hp["weight_decay"] != 0:
+            if decoupled:
+                param = self.emit(aten.mul.Tensor, param, s("decay_factor"))
+            else:
+                grad = self.emit(aten.add.Tensor, grad, param, alpha=s("weight_decay"))
+        exp_avg = self.emit(aten.lerp.Scalar, states["exp_avg"], grad, s("one_minus_beta1"))
+        exp_avg_sq = self.emit(aten.mul.Tensor, states["exp_avg_sq"], s("beta2"))
+        exp_avg_sq = self.emit(aten.addcmul.default, exp_avg_sq, grad, grad, value=s("one_minus_beta2"))
+        denom = self.emit(aten.sqrt.default, exp_avg_sq)
+        denom = self.emit(aten.div.Tensor, denom, s("bias_correction2_sqrt"))
+        denom = self.emit(aten.add.Tensor, denom, s("eps"))
+        new_param = self.emit(aten.addcdiv.default, param, exp_avg, denom, value=s("neg_step_size"))
+        return new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+    def into_layout_of(self, new: TensorRef, home_value: int) -> int:
+        """The value id holding `new` with the layout of `home_value` (copied if the layouts differ)."""
+        home = self.tg.values[home_value]
+        produced = self.tg.values[new.value]
+        if produced.stride == home.stride and produced.nbytes == home.nbytes and new == produced.dense_ref:
+            return new.value
+        fresh = self.emit(aten.empty_strided.default, list(home.shape), list(home.stride), dtype=home.dtype,
+                          device=torch.device(self.tg.device))
+        target = self.tg.add_value(home.shape, home.stride, home.dtype, home.nbytes)
+        self.tg.add_vertex(op_name(aten.copy_.default), (TensorRef(target, home.shape, home.stride, 0), new), {},
+                           (target,), module=self.module, phase="optimizer", copy_in=((fresh.value, target),))
+        return target
+

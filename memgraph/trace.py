@@ -1,0 +1,347 @@
+"""Trace a whole training step (forward, loss, backward, optimizer update) into a TaskGraph.
+
+The forward and backward are recorded by ``make_fx`` on fake tensors of the
+target device, through the real autograd engine, so the ATen ops are the ones
+eager PyTorch runs. The FX graph is then read storage by storage: an op that
+only makes a view becomes a `TensorRef` of its base value; an op that makes a
+new storage becomes a vertex with new values; an in-place op stays in place
+(see `Vertex.copy_in`). The optimizer update is appended as functional
+vertices (optim.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.fx.experimental.symbolic_shapes
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
+
+from turnip.kernels.ops import is_random, op_name
+from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
+from turnip.memgraph.optim import UpdateEmitter, initial_states, spec_from_optimizer
+from turnip.memgraph.taskgraph import TaskGraph, TensorRef, ValueKind
+
+log = logging.getLogger(__name__)
+
+_DATA_DEPENDENT = tuple(
+    exc for exc in (
+        getattr(torch._subclasses.fake_tensor, "DataDependentOutputException", None),
+        getattr(torch._subclasses.fake_tensor, "DynamicOutputShapeException", None),
+        getattr(torch.fx.experimental.symbolic_shapes, "GuardOnDataDependentSymNode", None),
+    ) if exc is not None
+)
+
+
+class _ModuleTracker:
+    """Which module each traced node came from: forward hooks record node-count intervals."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.stack: list[str] = []
+        self.spans: list[tuple[int, str]] = []  # (first node index, innermost module path from there on)
+        self._handles = []
+
+    @staticmethod
+    def node_count() -> int:
+        mode = get_proxy_mode()
+        return len(mode.tracer.graph.nodes) if mode is not None else 0
+
+    def __enter__(self):
+        for name, module in self.model.named_modules():
+            def pre(_mod, _args, name=name):
+                self.stack.append(name)
+                self.spans.append((self.node_count(), name))
+
+            def post(_mod, _args, _out):
+                self.stack.pop()
+                self.spans.append((self.node_count(), self.stack[-1] if self.stack else ""))
+
+            self._handles.append(module.register_forward_pre_hook(pre))
+            self._handles.append(module.register_forward_hook(post))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+
+    def current(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+    def module_at(self, node_index: int) -> str:
+        path = ""
+        for start, name in self.spans:  # spans are in node order; few enough to scan
+            if start > node_index:
+                break
+            path = name
+        return path
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _flat_tensors(val) -> list:
+    if isinstance(val, (tuple, list)):
+        out = []
+        for item in val:
+            out.extend(_flat_tensors(item))
+        return out
+    return [val]
+
+
+def _fake_like(mode, t: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:
+    with mode:
+        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return fake.requires_grad_(requires_grad)
+
+
+class _GraphReader:
+    """Turns the FX graph into TaskGraph vertices, tracking the current value of every storage."""
+
+    def __init__(self, tg: TaskGraph, modules: _ModuleTracker, forward_end: int):
+        self.tg = tg
+        self.modules = modules
+        self.forward_end = forward_end
+        self.current: dict[int, int] = {}  # storage key -> value id holding its latest version
+        self.vals: dict[torch.fx.Node, object] = {}
+
+    def bind_input(self, node_val: torch.Tensor, vid: int) -> None:
+        key = _storage_key(node_val)
+        if key in self.current:
+            raise UnsupportedFeature(f"input {self.tg.values[vid].name} shares storage with another input")
+        self.current[key] = vid
+
+    def ref(self, t: torch.Tensor) -> TensorRef:
+        return TensorRef(self.current[_storage_key(t)], tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def template(self, arg):
+        if isinstance(arg, torch.fx.Node):
+            val = arg.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise UnsupportedFeature(f"node {arg.name} carries a non-tensor value {type(val).__name__}")
+            return self.ref(val)
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(self.template(a) for a in arg)
+        if isinstance(arg, dict):
+            return {k: self.template(a) for k, a in arg.items()}
+        return arg
+
+    def new_value(self, t: torch.Tensor, name: str = "") -> int:
+        vid = self.tg.add_value(t.shape, t.stride(), t.dtype, t.untyped_storage().nbytes(), name=name)
+        self.current[_storage_key(t)] = vid
+        return vid
+
+    def read(self, node: torch.fx.Node, index: int) -> None:
+        op = node.target
+        if op is operator.getitem:
+            return
+        if not isinstance(op, torch._ops.OpOverload):
+            raise UnsupportedFeature(f"traced call {op} is not an ATen op")
+        name = op_name(op)
+        phase = "forward" if index < self.forward_end else "backward"
+        module = self.modules.module_at(index) if phase == "forward" else ""
+        results = [t for t in _flat_tensors(node.meta.get("val")) if t is not None]
+        if any(not isinstance(t, torch.Tensor) for t in results):
+            raise UnsupportedOp(name, module, "returns a non-tensor value (data-dependent result)")
+        mutated = []
+        for arg_schema, arg in zip(op._schema.arguments, node.args):
+            if arg_schema.alias_info is not None and arg_schema.alias_info.is_write:
+                mutated.extend(a.meta["val"] for a in (arg if isinstance(arg, (list, tuple)) else [arg]))
+        for key, arg in node.kwargs.items():
+            schema = next((a for a in op._schema.arguments if a.name == key), None)
+            if schema is not None and schema.alias_info is not None and schema.alias_info.is_write:
+                mutated.append(arg.meta["val"])
+        if mutated:
+            self._read_inplace(node, op, name, module, phase, mutated, results)
+            return
+        fresh = [t for t in results if _storage_key(t) not in self.current]
+        if not fresh:
+            return  # a view: folded into the references of its readers
+        args, kwargs = self.template(node.args), self.template(node.kwargs)
+        outputs = []
+        for t in results:
+            if _storage_key(t) in self.current:
+                outputs.append(-1)
+            elif t.storage_offset() != 0:
+                raise UnsupportedOp(name, module, "returns a tensor that does not start at its storage")
+            else:
+                outputs.append(self.new_value(t))
+        self.tg.add_vertex(name, args, kwargs, outputs, module=module, phase=phase, random=is_random(op))
+
+    def _read_inplace(self, node, op, name, module, phase, mutated, results) -> None:
+        keys = []
+        for t in mutated:
+            key = _storage_key(t)
+            if key not in self.current:
+                raise UnsupportedOp(name, module, "writes into a tensor the graph does not know")
+            val = self.tg.values[self.current[key]]
+            if val.kind is not ValueKind.INTERMEDIATE:
+                raise UnsupportedOp(name, module, f"mutates {val.kind.value} input '{val.name}' in place "
+                                    "(module state such as BatchNorm running statistics is not supported)")
+            if key not in keys:
+                keys.append(key)
+        if any(_storage_key(t) not in self.current for t in results):
+            raise UnsupportedOp(name, module, "mutates an argument and also returns a new tensor")
+        copy_in, outputs = [], []
+        for key in keys:
+            old = self.tg.values[self.current[key]]
+            new = self.tg.add_value(old.shape, old.stride, old.dtype, old.nbytes)
+            self.current[key] = new
+            copy_in.append((old.id, new))
+            outputs.append(new)
+        args, kwargs = self.template(node.args), self.template(node.kwargs)
+        self.tg.add_vertex(name, args, kwargs, outputs, module=module, phase=phase, random=is_random(op),
+                           copy_in=tuple(copy_in))
+
+    def dense_value(self, ref: TensorRef, module: str = "") -> int:
+        """A value id holding exactly `ref` (cloned into its own value when it is a view)."""
+        if ref == self.tg.values[ref.value].dense_ref:
+            return ref.value
+        src = self.tg.values[ref.value]
+        meta = torch.empty_strided(ref.size, ref.stride, dtype=src.dtype, device="meta").clone()
+        vid = self.tg.add_value(meta.shape, meta.stride(), src.dtype, meta.untyped_storage().nbytes())
+        self.tg.add_vertex("aten::clone", (ref,), {}, (vid,), module=module, phase="backward")
+        return vid
+
+
+def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
+          device: str | torch.device | None = None) -> TaskGraph:
+    """Trace forward, loss, backward and the optimizer update of one training step.
+
+    `loss_fn(model, batch)` must return a scalar tensor. Without an optimizer,
+    the gradients become step outputs named "grad:<parameter name>".
+    """
+    params = dict(model.named_parameters())
+    if device is None:
+        device = next(iter(params.values())).device if params else torch.device("cpu")
+    device = torch.device(device)
+    spec = spec_from_optimizer(optimizer) if optimizer is not None else None
+    group_of = {}
+    if optimizer is not None:
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                group_of[id(p)] = gi
+    trainable = {n: p for n, p in params.items() if p.requires_grad and (optimizer is None or id(p) in group_of)}
+    frozen = {n: p for n, p in params.items() if n not in trainable}
+    buffers = dict(model.named_buffers())
+    leaves, batch_spec = pytree.tree_flatten(example_batch)
+    tensor_leaf = [isinstance(x, torch.Tensor) for x in leaves]
+
+    fake_mode = FakeTensorMode()
+    fake_train = [_fake_like(fake_mode, p, device, True) for p in trainable.values()]
+    fake_frozen = [_fake_like(fake_mode, p, device, False) for p in frozen.values()]
+    fake_buffers = [_fake_like(fake_mode, b, device, False) for b in buffers.values()]
+    fake_leaves = [_fake_like(fake_mode, x, device, False) for x, is_t in zip(leaves, tensor_leaf) if is_t]
+    modules = _ModuleTracker(model)
+    marks = {}
+
+    def step(train, froz, bufs, batch_tensors):
+        mapping = dict(zip(trainable, train)) | dict(zip(frozen, froz)) | dict(zip(buffers, bufs))
+        it = iter(batch_tensors)
+        batch = pytree.tree_unflatten([next(it) if is_t else x for x, is_t in zip(leaves, tensor_leaf)], batch_spec)
+        with _reparametrize_module(model, mapping, tie_weights=True), modules:
+            loss = loss_fn(model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+            raise UnsupportedFeature(f"loss_fn must return a scalar floating-point tensor, got "
+                                     f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+        marks["forward_end"] = _ModuleTracker.node_count()
+        grads = torch.autograd.grad(loss, train, allow_unused=True) if train else ()
+        marks["has_grad"] = [g is not None for g in grads]
+        return [loss] + [g for g in grads if g is not None]
+
+    try:
+        gm = make_fx(step, tracing_mode="fake")(fake_train, fake_frozen, fake_buffers, fake_leaves)
+    except _DATA_DEPENDENT as err:
+        op = getattr(err, "func", None)
+        where = modules.current()
+        what = f"op {op} " if op is not None else ""
+        raise UnsupportedFeature(
+            f"{what}in module '{where}' depends on tensor values (data-dependent control flow, .item(), "
+            f"or a data-dependent shape), which a static step graph cannot express") from err
+
+    tg = TaskGraph(device=device.type)
+    tg.optimizer = spec
+    tg.batch_spec = batch_spec
+    reader = _GraphReader(tg, modules, marks["forward_end"])
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    groups = [("param", trainable, ValueKind.PARAMETER), ("param", frozen, ValueKind.FROZEN),
+              ("buffer", buffers, ValueKind.FROZEN)]
+    inputs = []
+    for prefix, tensors, kind in groups:
+        for name, tensor in tensors.items():
+            inputs.append((f"{prefix}:{name}", kind, tensor))
+    for i, x in enumerate(leaves):
+        if tensor_leaf[i]:
+            inputs.append((f"batch:{pytree.keystr(pytree.tree_flatten_with_path(example_batch)[0][i][0])}",
+                           ValueKind.BATCH, x))
+    if len(inputs) != len(placeholders):
+        raise RuntimeError(f"traced {len(placeholders)} inputs, expected {len(inputs)}")
+    input_vid = {}
+    for node, (name, kind, tensor) in zip(placeholders, inputs):
+        val = node.meta["val"]
+        vid = tg.add_value(val.shape, val.stride(), val.dtype, val.untyped_storage().nbytes(), kind, name=name)
+        reader.bind_input(val, vid)
+        input_vid[name] = vid
+        if kind is ValueKind.BATCH:
+            tg.batch_inputs.append(vid)
+        else:
+            tg.initial_state[vid] = tensor.detach()
+    by_identity = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        by_identity.setdefault(id(tensor), []).append(key)
+    for prefix, tensors, _ in groups:
+        for name, tensor in tensors.items():
+            for key in by_identity.get(id(tensor), []):
+                tg.state_names[key] = input_vid[f"{prefix}:{name}"]
+
+    out_node = None
+    for index, node in enumerate(gm.graph.nodes):
+        if node.op == "call_function":
+            reader.read(node, index)
+        elif node.op == "get_attr":
+            const = getattr(gm, node.target)
+            vid = tg.add_value(const.shape, const.stride(), const.dtype, const.untyped_storage().nbytes(),
+                               ValueKind.CONSTANT, name=f"constant:{node.target}")
+            tg.initial_state[vid] = const.detach()
+            reader.bind_input(node.meta.get("val", const), vid)
+        elif node.op == "output":
+            out_node = node
+    loss_node, *grad_nodes = out_node.args[0]
+    tg.outputs["loss"] = reader.dense_value(reader.template(loss_node))
+    grad_iter = iter(grad_nodes)
+    grads = {name: (reader.template(next(grad_iter)) if has else None)
+             for name, has in zip(trainable, marks["has_grad"])}
+    if spec is None:
+        for name, ref in grads.items():
+            if ref is not None:
+                tg.outputs[f"grad:{name}"] = reader.dense_value(ref)
+    else:
+        _append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid)
+    tg.validate()
+    log.info("traced %d vertices, %d values", len(tg.vertices), len(tg.values))
+    return tg
+
+
+def _append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid) -> None:
+    for name, param in trainable.items():
+        grad = grads[name]
+        if grad is None:
+            continue  # eager leaves .grad None and skips the parameter
+        emitter = UpdateEmitter(tg, spec, module=name.rpartition(".")[0])
+        pvid = input_vid[f"param:{name}"]
+        state_refs = {}
+        for key, tensor in initial_states(spec, optimizer, param).items():
+            svid = tg.add_value(tensor.shape, tensor.stride(), tensor.dtype, tensor.untyped_storage().nbytes(),
+                                ValueKind.OPTIMIZER_STATE, name=f"opt:{name}.{key}")
+            tg.initial_state[svid] = tensor
+            state_refs[key] = tg.values[svid].dense_ref
+        new_param, new_states = emitter.update(group_of[id(param)], tg.values[pvid].dense_ref, grad, state_refs)
+        tg.bindings[pvid] = emitter.into_layout_of(new_param, pvid)
+        for key, ref in new_states.items():
+            tg.bindings[state_refs[key].value] = emitter.into_layout_of(ref, state_refs[key].value)
+
