@@ -1,0 +1,14 @@
+"""The two graphs and the compiler between them.
+
+    tg = memgraph.trace(model, loss_fn, batch, optimizer=opt)   # TaskGraph
+    mg = memgraph.build(tg, plan)                               # MemGraph
+    memgraph.verify(mg)                                         # [] when valid
+    mg = memgraph.compile(model, loss_fn, batch, optimizer=opt, budget="6GiB")
+"""
+
+from turnip.memgraph.compile import compile
+from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
+from turnip.memgraph.memgraph import MemGraph, load
+from turnip.memgraph.reference import ReferenceExecutor
+from turnip.memgraph.taskgraph import TaskGraph
+from turnip.memgraph.trace import trace

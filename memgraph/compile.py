@@ -1,0 +1,65 @@
+"""memgraph.compile: trace -> plan -> build, the one call most users make."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from turnip.memgraph.budget import format_bytes, parse_budget
+from turnip.memgraph.memgraph import MemGraph
+from turnip.memgraph.trace import trace
+
+log = logging.getLogger(__name__)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
+            budget: int | float | str | None = None, device: str | torch.device | None = None,
+            planner: str = "auto", cpu_budget: int | str | None = None, alignment: int | None = None,
+            **planner_options) -> MemGraph:
+    """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
+
+    budget: bytes, a size string ("6GiB"), or a fraction of the unplanned peak
+    (everything kept on the GPU); None means the unplanned peak.
+    planner: "auto" (the ILP when available, else greedy), "ilp", "greedy", or "none"
+    (keep everything and let BuildMemGraph evict under pressure).
+    """
+    from turnip.memgraph.build import build  # the builder imports planners, which import memgraph
+
+    device = torch.device(device or default_device())
+    alignment = alignment or (256 if device.type == "cuda" else 64)
+    started = time.perf_counter()
+    tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device)
+    peak = tg.live_peak(alignment=alignment)
+    gpu_budget = parse_budget(budget, peak)
+    cpu_bytes = parse_budget(cpu_budget, peak) if cpu_budget is not None else None
+    log.info("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
+             time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
+    plan = make_plan(tg, gpu_budget, cpu_bytes, planner, **planner_options)
+    mg = build(tg, plan, alignment=alignment)
+    mg.initial_state = dict(tg.initial_state)
+    mg.names = dict(tg.state_names)
+    mg.device = str(device)
+    mg.stats["unplanned_peak"] = peak
+    log.info("compiled in %.1fs: %s", time.perf_counter() - started, mg.summary())
+    return mg
+
+
+def make_plan(tg, gpu_budget: int, cpu_budget: int | None, planner: str, **options):
+    from turnip.planners.plan import Plan
+
+    if planner == "none":
+        return Plan(gpu_budget=gpu_budget, cpu_budget=cpu_budget, planner="none")
+    try:
+        from turnip import planners
+        plan_fn = planners.plan
+    except (ImportError, AttributeError):
+        if planner != "auto":
+            raise ValueError(f"planner {planner!r} is not available in this build") from None
+        return Plan(gpu_budget=gpu_budget, cpu_budget=cpu_budget, planner="none")
+    return plan_fn(tg, gpu_budget, cpu_budget=cpu_budget, method=planner, **options)

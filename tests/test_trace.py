@@ -1,0 +1,164 @@
+"""Tracing + reference executor against eager PyTorch (bitwise on CPU, fp32)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from turnip import memgraph
+from turnip.memgraph import ReferenceExecutor, UnsupportedFeature
+from turnip.memgraph.taskgraph import ValueKind
+
+from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
+
+
+def reference_steps(model, loss_fn, batches, make_opt, seed: int = 123):
+    tg = memgraph.trace(model, loss_fn, batches[0], optimizer=make_opt(trainable(model)), device="cpu")
+    runner = ReferenceExecutor(tg)
+    torch.manual_seed(seed)
+    losses = [runner.run(b)["loss"].clone() for b in batches]
+    return tg, losses, runner.state_dict()
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt", "hf_gpt2"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam", "adamw"])
+def test_reference_matches_eager_bitwise(model_name, opt_name):
+    model, loss_fn, batches = make_case(model_name)
+    want_losses, want_state = eager_steps(model, loss_fn, batches, OPTIMIZERS[opt_name])
+    _, losses, state = reference_steps(model, loss_fn, batches, OPTIMIZERS[opt_name])
+    assert [x.item() for x in losses] == [x.item() for x in want_losses]
+    assert_same_state(state, want_state)
+    # the trained weights really moved (a no-op optimizer would pass the equality above too)
+    assert any(not torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt", "hf_gpt2"])
+def test_dropout_masks_match_eager(model_name):
+    model, loss_fn, batches = make_case(model_name, dropout=0.2)
+    want_losses, want_state = eager_steps(model, loss_fn, batches, OPTIMIZERS["adamw"])
+    tg, losses, state = reference_steps(model, loss_fn, batches, OPTIMIZERS["adamw"])
+    assert any(v.random for v in tg.vertices)
+    assert [x.item() for x in losses] == [x.item() for x in want_losses]
+    assert_same_state(state, want_state)
+
+
+def test_lora_frozen_parameters_get_no_gradient_or_state():
+    model, loss_fn, batches = make_case("gpt_lora", dropout=0.1)
+    for opt_name in ("sgd_nesterov", "adam"):
+        want_losses, want_state = eager_steps(model, loss_fn, batches, OPTIMIZERS[opt_name])
+        tg, losses, state = reference_steps(model, loss_fn, batches, OPTIMIZERS[opt_name])
+        assert [x.item() for x in losses] == [x.item() for x in want_losses]
+        assert_same_state(state, want_state)
+    frozen = tg.inputs_of_kind(ValueKind.FROZEN)
+    params = tg.inputs_of_kind(ValueKind.PARAMETER)
+    assert frozen and params
+    assert all("lora_" in tg.values[v].name for v in params)
+    assert not set(frozen) & set(tg.bindings)
+    # Adam: two states per trainable parameter, none for frozen ones
+    assert len(tg.inputs_of_kind(ValueKind.OPTIMIZER_STATE)) == 2 * len(params)
+
+
+def test_views_are_folded_and_graph_is_in_program_order():
+    model, loss_fn, batches = make_case("gpt")
+    tg = memgraph.trace(model, loss_fn, batches[0], optimizer=OPTIMIZERS["adam"](model.parameters()))
+    tg.validate()
+    view_ops = {"aten::view", "aten::t", "aten::transpose.int", "aten::expand", "aten::permute",
+                "aten::split.Tensor", "aten::slice.Tensor", "aten::select.int", "aten::detach", "aten::unsqueeze"}
+    assert not view_ops & {v.op for v in tg.vertices}
+    assert any(ref.stride != tg.values[ref.value].stride for v in tg.vertices for ref in v.refs())
+    phases = [v.phase for v in tg.vertices]
+    assert phases == sorted(phases, key=["forward", "backward", "optimizer"].index)
+
+
+def test_summary_reports_counts_and_bytes():
+    model, loss_fn, batches = make_case("gpt")
+    tg = memgraph.trace(model, loss_fn, batches[0], optimizer=OPTIMIZERS["adam"](model.parameters()))
+    s = tg.summary()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert s["bytes_parameters"] == param_bytes
+    assert s["bytes_optimizer_states"] == 2 * param_bytes
+    assert s["ops"]["aten::native_layer_norm"] == 2 * model.cfg.n_layers + 1
+    assert sum(s["ops"].values()) == s["vertices"] == len(tg.vertices)
+    assert 0 < s["bytes_saved_for_backward"] < s["bytes_total"]
+    assert s["vertices_by_phase"]["optimizer"] > 0
+
+
+def test_module_paths_recorded_for_forward_ops():
+    model, loss_fn, batches = make_case("gpt")
+    tg = memgraph.trace(model, loss_fn, batches[0], optimizer=OPTIMIZERS["sgd"](model.parameters()))
+    modules = {v.module for v in tg.vertices if v.op == "aten::native_layer_norm"}
+    assert {"blocks.0.ln1", "blocks.1.ln2", "ln_f"} <= modules
+
+
+# -- error paths: each names the op/feature and the module, before any work -------------
+
+class _ItemModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), _Scaler())
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class _Scaler(nn.Module):
+    def forward(self, x):
+        return x * x.max().item()
+
+
+class _BranchModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y if y.sum() > 0 else -y
+
+
+def _mse(model, batch):
+    return model(batch).pow(2).mean()
+
+
+def test_item_is_refused_naming_module():
+    with pytest.raises(UnsupportedFeature, match=r"inner\.1.*depends on tensor values"):
+        memgraph.trace(_ItemModel(), _mse, torch.randn(2, 4))
+
+
+def test_data_dependent_branch_is_refused():
+    with pytest.raises(UnsupportedFeature, match="depends on tensor values"):
+        memgraph.trace(_BranchModel(), _mse, torch.randn(2, 4))
+
+
+def test_batchnorm_running_stats_are_refused_naming_module():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with pytest.raises(UnsupportedFeature, match=r"module '1'.*BatchNorm running statistics"):
+        memgraph.trace(model, _mse, torch.randn(3, 4), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("make_opt, pattern", [
+    (lambda ps: torch.optim.RMSprop(ps), "optimizer RMSprop is not supported"),
+    (lambda ps: torch.optim.Adam(ps, amsgrad=True), "amsgrad=True"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, maximize=True), "maximize=True"),
+    (lambda ps: torch.optim.Adam(ps, lr=torch.tensor(0.01)), "lr given as a tensor"),
+])
+def test_unsupported_optimizers_are_refused_by_name(make_opt, pattern):
+    model = nn.Linear(4, 4)
+    with pytest.raises(UnsupportedFeature, match=pattern):
+        memgraph.trace(model, _mse, torch.randn(2, 4), optimizer=make_opt(model.parameters()))
+
+
+def test_non_scalar_loss_is_refused():
+    model = nn.Linear(4, 4)
+    with pytest.raises(UnsupportedFeature, match="scalar floating-point"):
+        memgraph.trace(model, lambda m, b: m(b), torch.randn(2, 4))
+
+
+def test_gradients_are_outputs_without_optimizer():
+    model = nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+    tg = memgraph.trace(model, _mse, x)
+    out = ReferenceExecutor(tg).run(x)
+    model.zero_grad()
+    _mse(model, x).backward()
+    assert torch.equal(out["grad:weight"], model.weight.grad)
+    assert torch.equal(out["grad:bias"], model.bias.grad)
