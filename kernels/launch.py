@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from turnip.kernels.ops import resolve_op
+from turnip.kernels.ops import UNINITIALIZED, out_variant, resolve_op
 from turnip.kernels.rng import RngReplay, replay
 from turnip.kernels.views import ref_view
 from turnip.memgraph.taskgraph import ScalarRef, TaskGraph, TensorRef, Vertex
@@ -84,6 +84,73 @@ def run_vertex(vertex: Vertex, resolve: Resolve, outputs: Sequence[torch.Tensor 
                                    f"its place holds {tuple(outs[i].shape)}")
             outs[i].copy_(flat[i])
     return outs
+
+
+def _has_scalar_refs(template) -> bool:
+    if isinstance(template, ScalarRef):
+        return True
+    if isinstance(template, (list, tuple)):
+        return any(_has_scalar_refs(t) for t in template)
+    if isinstance(template, dict):
+        return any(_has_scalar_refs(t) for t in template.values())
+    return False
+
+
+class PreparedVertex:
+    """A vertex bound once to fixed input views and output buffers, for engines whose places never move.
+
+    Uses the op's `out=` overload when every output has a buffer, so nothing is
+    allocated and nothing copied; otherwise computes then copies (the temporaries
+    are the op's declared workspace). Uninitialized-memory ops run nothing.
+    """
+
+    def __init__(self, vertex: Vertex, resolve: Resolve, outputs: Sequence[torch.Tensor | None]):
+        self.vertex = vertex
+        self.outputs = list(outputs)
+        own = {vid: i for i, vid in enumerate(vertex.outputs) if vid >= 0}
+        if any(self.outputs[i] is None for i in own.values()):
+            raise ValueError(f"vertex {vertex.id} ({vertex.op}): every produced value needs a buffer")
+
+        def resolve_own(ref: TensorRef) -> torch.Tensor:
+            i = own.get(ref.value)
+            return ref_view(self.outputs[i], ref) if i is not None else resolve(ref)
+
+        self.copies = []
+        for old, new in vertex.copy_in:
+            dst = self.outputs[own[new]]
+            self.copies.append((dst, resolve(TensorRef(old, tuple(dst.shape), tuple(dst.stride()), 0))))
+        self.op = resolve_op(vertex.op)
+        self.skip = vertex.op in UNINITIALIZED and not vertex.copy_in
+        self.out_names: tuple[str, ...] = ()
+        variant = None if (vertex.copy_in or self.skip or any(o < 0 for o in vertex.outputs)) \
+            else out_variant(vertex.op)
+        if variant is not None:
+            self.op, self.out_names = variant
+        self.dynamic = _has_scalar_refs(vertex.args) or _has_scalar_refs(vertex.kwargs)
+        self._resolve = resolve_own
+        self.args = _materialize(vertex.args, resolve_own, {}) if not self.dynamic else None
+        self.kwargs = _materialize(vertex.kwargs, resolve_own, {}) if not self.dynamic else None
+        if self.out_names and not self.dynamic:
+            self.kwargs.update(zip(self.out_names, self.outputs))
+
+    def __call__(self, scalars: Mapping[str, float], rng_state: torch.Tensor | None, device: torch.device) -> None:
+        if self.skip:
+            return
+        for dst, src in self.copies:
+            dst.copy_(src)
+        args, kwargs = self.args, self.kwargs
+        if self.dynamic:
+            args = _materialize(self.vertex.args, self._resolve, scalars)
+            kwargs = _materialize(self.vertex.kwargs, self._resolve, scalars)
+            if self.out_names:
+                kwargs.update(zip(self.out_names, self.outputs))
+        result = replay(rng_state, device, lambda: self.op(*args, **kwargs))
+        if self.out_names or self.copies:
+            return
+        flat = _flat_results(result)
+        for out, res in zip(self.outputs, flat):
+            if out is not None:
+                out.copy_(res)
 
 
 class StepContext:

@@ -26,3 +26,23 @@ def resolve_op(name: str) -> torch._ops.OpOverload:
 
 def is_random(op: torch._ops.OpOverload) -> bool:
     return torch.Tag.nondeterministic_seeded in op.tags
+
+
+# Ops whose result is uninitialized memory: with a preallocated output there is nothing to run.
+UNINITIALIZED = frozenset({"aten::empty_like", "aten::empty.memory_format", "aten::empty_strided",
+                           "aten::new_empty", "aten::new_empty_strided"})
+
+
+@functools.cache
+def out_variant(name: str) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | None:
+    """The `out=` overload of a functional op and its out argument names (in return order), if any."""
+    op = resolve_op(name)
+    want = [(a.name, str(a.type)) for a in op._schema.arguments]
+    packet = getattr(getattr(torch.ops, op.namespace), op._schema.name.split("::")[1])
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        outs = [a.name for a in candidate._schema.arguments if a.is_out]
+        if outs and [(a.name, str(a.type)) for a in candidate._schema.arguments if not a.is_out] == want:
+            if len(outs) == len(op._schema.returns):
+                return candidate, tuple(outs)
+    return None
