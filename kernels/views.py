@@ -16,7 +16,7 @@ def typed_view(buffer: torch.Tensor, offset: int, value: Value) -> torch.Tensor:
     if raw.numel() != value.nbytes:
         raise ValueError(f"value {value.id} ({value.nbytes} bytes at {offset}) overruns a {buffer.numel()}-byte buffer")
     flat = raw.view(value.dtype)
-    return flat.as_strided(value.shape, value.stride, 0)
+    return flat.as_strided(value.shape, value.stride, flat.storage_offset())
 
 
 def ref_view(base: torch.Tensor, ref: TensorRef) -> torch.Tensor:

@@ -55,10 +55,10 @@ def make_plan(tg, gpu_budget: int, cpu_budget: int | None, planner: str, **optio
 
     if planner == "none":
         return Plan(gpu_budget=gpu_budget, cpu_budget=cpu_budget, planner="none")
-    try:
-        from turnip import planners
-        plan_fn = planners.plan
-    except (ImportError, AttributeError):
+    from turnip import planners
+
+    plan_fn = getattr(planners, "plan", None)
+    if not callable(plan_fn):
         if planner != "auto":
             raise ValueError(f"planner {planner!r} is not available in this build") from None
         return Plan(gpu_budget=gpu_budget, cpu_budget=cpu_budget, planner="none")

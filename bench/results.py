@@ -1,0 +1,40 @@
+"""Where benchmark JSON goes, and the facts every result file carries (device, versions, commit)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def result_path(name: str) -> Path:
+    """bench/results/<name> (or $TURNIP_RESULTS/<name>), its folder created."""
+    folder = Path(os.environ.get("TURNIP_RESULTS", RESULTS_DIR))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_metadata() -> dict:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+    }

@@ -1,0 +1,220 @@
+"""CUDA backend: one arena per device, pinned CPU storage, streams, and event-polled completions.
+
+Completion path (measured by bench/engine_overhead.py): every vertex records
+a CUDA event after its work; the loop thread polls the event at the head of
+each stream's FIFO (streams complete in order), so no Python callback ever
+competes for the GIL. Python host callbacks (``cudaLaunchHostFunc`` through
+CuPy) are the alternative mechanism, kept for the measurement (``completion=
+"callback"``).
+
+Launch-ahead: a compute vertex is reported complete to the loop as soon as it
+is enqueued, while its stream holds fewer than ``depth`` unfinished vertices,
+so chains of small kernels keep the GPU queue fed instead of paying a
+host round trip per kernel. Correctness does not depend on it: a vertex
+launched on one stream waits (``cudaStreamWaitEvent``) for every predecessor
+on another stream that has not been seen finished. Transfers are reported
+only when really finished, so a compute vertex is launched only once its
+reloaded inputs are there: the loop still picks, at run time, whichever
+compute is ready instead of queueing behind a slow copy.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+import torch
+
+from turnip.engine.errors import EngineError
+from turnip.engine.loop import Completion, Launch
+from turnip.engine.runtime import Runtime
+from turnip.memgraph.memgraph import Kind, MemGraph, Stream
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEPTH = 16  # unfinished compute vertices a stream may hold before the loop waits
+
+
+class EventCompletions:
+    """The loop's completion source: notifications queued by launches, else polled CUDA events."""
+
+    def __init__(self, runtime: "CudaRuntime"):
+        self.rt = runtime
+        self.ready: collections.deque = collections.deque()
+
+    def put(self, completion: Completion) -> None:
+        self.ready.append(completion)
+
+    def get(self) -> Completion:
+        rt = self.rt
+        spins = 0
+        while not self.ready:
+            if not rt.poll():
+                spins += 1
+                if spins > 2000:  # nothing finished for a while: yield the core briefly
+                    time.sleep(20e-6)
+        return self.ready.popleft()
+
+
+class CudaRuntime(Runtime):
+    device_type = "cuda"
+
+    def __init__(self, mg: MemGraph, depth: int = DEFAULT_DEPTH):
+        self.depth = depth
+        self.mg = mg
+        super().__init__(mg)
+        n = self.graph.n
+        self.events = [torch.cuda.Event() for _ in range(n)]
+        self.preds = self.graph.predecessors()
+        self.prepared: list = [None] * n
+        self.streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+        self.stream_of = [None] * n
+        self.finished = bytearray(n)
+        self.notified = bytearray(n)
+        self.fifo: dict[torch.cuda.Stream, collections.deque] = {}
+        self.completions = EventCompletions(self)
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.host_out: dict[int, torch.Tensor] = {}
+        tg = mg.taskgraph
+        self._leaf_of = {vid: i for i, vid in enumerate(tg.batch_inputs)}
+        self._output_name = {vid: name for name, vid in tg.outputs.items()}
+        from turnip.kernels.rng import RngReplay
+
+        self.rng = RngReplay(tg, torch.device("cuda", self.devices[0]))
+        self._ctx = None
+        self._leaves = None
+        self._batch_ready = torch.cuda.Event()
+        torch.cuda.synchronize()  # the initial state was written on the default stream
+
+    def _allocate(self, mg: MemGraph) -> None:
+        for dev in self.devices:
+            self.arenas[dev] = torch.empty(mg.arena_bytes, dtype=torch.uint8, device=torch.device("cuda", dev))
+        self.storage = torch.empty(mg.cpu_bytes, dtype=torch.uint8, pin_memory=True)
+        log.info("cuda runtime: arena %d bytes on %s, pinned storage %d bytes", mg.arena_bytes, self.devices,
+                 mg.cpu_bytes)
+
+    # -- step ----------------------------------------------------------------------------
+    def begin_step(self, mg: MemGraph, leaves: list, step: int) -> None:
+        from turnip.kernels.launch import StepContext
+
+        self._ctx = StepContext(mg.taskgraph, step, torch.device("cuda", self.devices[0]), self.rng)
+        self._leaves = leaves
+        self._batch_ready.record()  # the batch may come from work queued on the caller's stream
+        self.outputs = {}
+        self.finished = bytearray(self.graph.n)
+        self.notified = bytearray(self.graph.n)
+        for q in self.fifo.values():
+            q.clear()
+        self.completions.ready.clear()
+
+    def end_step(self) -> dict:
+        for stream in self.streams.values():
+            stream.synchronize()
+        outputs = {name: t.clone() for name, t in self.outputs.items()}
+        self._ctx = self._leaves = None
+        return outputs
+
+    def abort_step(self) -> None:
+        for stream in self.streams.values():
+            stream.synchronize()
+        self._ctx = self._leaves = None
+
+    def stream(self, item: Launch) -> torch.cuda.Stream:
+        s = self.streams.get((item.key, item.instance))
+        if s is None:
+            _, dev = self.graph.keys[item.key]
+            s = torch.cuda.Stream(device=torch.device("cuda", dev))
+            self.streams[(item.key, item.instance)] = s
+            self.fifo[s] = collections.deque()
+        return s
+
+    def launch(self, item: Launch, notify) -> None:
+        vid = item.vertex
+        mv = self.mg.vertices[vid]
+        stream = self.stream(item)
+        self.stream_of[vid] = stream
+        for p in self.preds[vid]:
+            if not self.finished[p] and self.stream_of[p] is not stream:
+                stream.wait_event(self.events[p])
+        with torch.cuda.stream(stream):
+            self.execute(mv)
+        self.events[vid].record(stream)
+        q = self.fifo[stream]
+        q.append(vid)
+        if mv.stream is Stream.COMPUTE and len(q) <= self.depth:
+            self.notified[vid] = 1
+            now = time.perf_counter()
+            self.completions.put(Completion(vid, None, now, now))
+
+    def poll(self) -> bool:
+        """Retire finished vertices at the heads of the stream FIFOs; True if anything moved."""
+        moved = False
+        for q in self.fifo.values():
+            while q and self.events[q[0]].query():
+                vid = q.popleft()
+                self.finished[vid] = 1
+                moved = True
+                if not self.notified[vid]:
+                    self.notified[vid] = 1
+                    now = time.perf_counter()
+                    self.completions.put(Completion(vid, None, now, now))
+            # the queue shrank: report queued compute vertices now within the depth
+            for i, vid in enumerate(q):
+                if i >= self.depth:
+                    break
+                if not self.notified[vid]:
+                    self.notified[vid] = 1
+                    now = time.perf_counter()
+                    self.completions.put(Completion(vid, None, now, now))
+                    moved = True
+        return moved
+
+    # -- vertices --------------------------------------------------------------------------
+    def execute(self, mv) -> None:
+        kind = mv.kind
+        if kind is Kind.COMPUTE:
+            prepared = self.prepared[mv.id]
+            if prepared is None:
+                prepared = self.prepared[mv.id] = self._prepare(mv)
+            ctx = self._ctx
+            prepared(ctx.scalars, ctx.rng_state(prepared.vertex), ctx.device)
+        elif kind in (Kind.OFFLOAD, Kind.RELOAD, Kind.COPY):
+            for v, src in mv.reads.items():
+                dst = mv.writes[v] if v in mv.writes else next(iter(mv.writes.values()))
+                n = self.mg.taskgraph.values[v].nbytes
+                self.bytes_of(dst, n).copy_(self.bytes_of(src, n), non_blocking=True)
+        elif kind is Kind.INPUT:
+            place = mv.writes.get(mv.value) or next(iter(mv.writes.values()))
+            torch.cuda.current_stream().wait_event(self._batch_ready)
+            self.view(self.mg, place, mv.value).copy_(self._leaves[self._leaf_of[mv.value]], non_blocking=True)
+        elif kind is Kind.OUTPUT:
+            place = mv.reads.get(mv.value) or next(iter(mv.reads.values()))
+            src = self.view(self.mg, place, mv.value)
+            host = self.host_out.get(mv.id)
+            if host is None:  # pinned once; reused every step
+                host = self.host_out[mv.id] = torch.empty_like(src, device="cpu").pin_memory()
+            host.copy_(src, non_blocking=True)
+            self.outputs[mv.name or self._output_name.get(mv.value, f"value:{mv.value}")] = host
+        else:
+            raise EngineError(f"vertex {mv.id}: unknown kind {kind!r}")
+
+    def _prepare(self, mv):
+        from turnip.kernels.launch import PreparedVertex
+        from turnip.kernels.views import ref_view
+
+        mg = self.mg
+        tv = mg.taskgraph.vertices[mv.task_vertex]
+
+        def resolve(ref):
+            return ref_view(self.view(mg, mv.reads[ref.value], ref.value), ref)
+
+        outs = [self.view(mg, mv.writes[o], o) if o >= 0 and o in mv.writes else None for o in tv.outputs]
+        return PreparedVertex(tv, resolve, outs)
+
+
+def create_runtime(mg: MemGraph) -> CudaRuntime:
+    if not torch.cuda.is_available():
+        raise EngineError("this MemGraph was compiled for CUDA, but no CUDA device is available; "
+                          "compile with device='cpu' to run on the CPU backend")
+    return CudaRuntime(mg)

@@ -1,0 +1,73 @@
+"""GPU checks: tracing on CUDA, the CUDA engine against eager, no allocation during steps.
+
+Skipped cleanly without CUDA (CI has none); run on the device with
+`python -m pytest -q tests/test_cuda.py`.
+"""
+
+
+import pytest
+import torch
+
+from turnip import engine, memgraph
+from turnip.memgraph import ReferenceExecutor
+
+from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA_TOL = dict(rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "hf_gpt2"])
+def test_reference_on_cuda_matches_eager(model_name):
+    model, loss_fn, batches = make_case(model_name, dropout=0.1, device="cuda")
+    want_losses, want_state = eager_steps(model, loss_fn, batches, OPTIMIZERS["adamw"])
+    tg = memgraph.trace(model, loss_fn, batches[0], optimizer=OPTIMIZERS["adamw"](trainable(model)), device="cuda")
+    runner = ReferenceExecutor(tg)
+    torch.manual_seed(123)
+    losses = [runner.run(b)["loss"].item() for b in batches]
+    assert losses == pytest.approx([x.item() for x in want_losses], rel=1e-4)
+    assert_same_state(runner.state_dict(), want_state, exact=False, **CUDA_TOL)
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt", "hf_gpt2"])
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.25])
+@pytest.mark.parametrize("ordering", ["nondeterministic", "deterministic"])
+def test_cuda_engine_matches_eager(model_name, budget, ordering):
+    model, loss_fn, batches = make_case(model_name, dropout=0.1, device="cuda")
+    want_losses, want_state = eager_steps(model, loss_fn, batches, OPTIMIZERS["adamw"])
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=OPTIMIZERS["adamw"](trainable(model)),
+                          budget=budget, device="cuda")
+    assert memgraph.verify(mg) == []
+    torch.manual_seed(123)
+    losses = [engine.run(mg, b, ordering=ordering)["loss"].item() for b in batches]
+    assert losses == pytest.approx([x.item() for x in want_losses], rel=1e-4)
+    assert_same_state(mg.state_dict(), want_state, exact=False, **CUDA_TOL)
+
+
+def test_steps_after_the_first_allocate_nothing():
+    model, loss_fn, batches = make_case("gpt", dropout=0.1, device="cuda")
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=OPTIMIZERS["adamw"](trainable(model)),
+                          budget=0.5, device="cuda")
+    engine.run(mg, batches[0])
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    for b in batches[1:] * 2:
+        engine.run(mg, b)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    assert after["num_alloc_retries"] == before["num_alloc_retries"]
+    assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
+    assert after["segment.all.allocated"] == before["segment.all.allocated"]  # no new cudaMalloc
+
+
+def test_cuda_dropout_replay_is_stable_across_steps():
+    """Later steps compute generator states by counting; they must equal eager's draws."""
+    model, loss_fn, batches = make_case("mlp", dropout=0.3, device="cuda")
+    batches = batches * 2
+    want_losses, want_state = eager_steps(model, loss_fn, batches, OPTIMIZERS["sgd"])
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=OPTIMIZERS["sgd"](trainable(model)), device="cuda")
+    torch.manual_seed(123)
+    losses = [engine.run(mg, b)["loss"].item() for b in batches]
+    assert losses == pytest.approx([x.item() for x in want_losses], rel=1e-5)
+    assert_same_state(mg.state_dict(), want_state, exact=False, **CUDA_TOL)
