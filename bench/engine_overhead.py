@@ -72,6 +72,37 @@ def eager_us_per_kernel(chains: int, length: int, repeat: int, numel: int = 1024
     return times[1:]
 
 
+def primitive_costs(iterations: int = 2000) -> dict[str, float]:
+    """Host cost (us) of the CUDA calls the engine makes per vertex."""
+    x = torch.randn(1024, device="cuda")
+    out = torch.empty_like(x)
+    stream = torch.cuda.Stream()
+    event = torch.cuda.Event()
+    add_out = torch.ops.aten.add.out
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iterations):
+            fn()
+        elapsed = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        return elapsed / iterations * 1e6
+
+    def stream_context():
+        with torch.cuda.stream(stream):
+            pass
+
+    return {
+        "aten.add.out launch": timed(lambda: add_out(x, x, out=out)),
+        "event.record": timed(lambda: event.record(stream)),
+        "event.query": timed(event.query),
+        "stream.wait_event": timed(lambda: stream.wait_event(event)),
+        "torch.cuda.stream context": timed(stream_context),
+        "torch.cuda.set_stream": timed(lambda: torch.cuda.set_stream(stream)),
+    }
+
+
 def turnip_us_per_vertex(tg: TaskGraph, repeat: int, ordering: str, depth: int, streams: dict | None):
     from turnip import engine, memgraph
     from turnip.engine.cuda import CudaRuntime
@@ -117,8 +148,12 @@ def main(argv=None) -> int:
     for row in rows:
         row["overhead_us_vs_eager"] = row["us_per_vertex"] - base
         log.info("%-70s %7.2f us/vertex (+%.2f)", row["system"], row["us_per_vertex"], row["overhead_us_vs_eager"])
+    primitives = primitive_costs()
+    torch.cuda.set_stream(torch.cuda.default_stream())
+    for name, us in primitives.items():
+        log.info("%-30s %6.2f us", name, us)
     out = {"benchmark": "engine_overhead", **run_metadata(), "chains": args.chains, "length": args.length,
-           "rows": rows}
+           "rows": rows, "primitives_us": primitives}
     path = result_path("engine_overhead.json")
     path.write_text(json.dumps(out, indent=2))
     log.info("wrote %s", path)

@@ -57,6 +57,17 @@ class EventCompletions:
         return self.ready.popleft()
 
 
+class Lane:
+    """One CUDA stream and the vertices it holds that have not finished, oldest first."""
+
+    def __init__(self, stream: torch.cuda.Stream, early: bool):
+        self.stream = stream
+        self.early = early  # compute: report to the loop at launch, within the depth
+        self.in_flight: collections.deque = collections.deque()
+        self.unreported: collections.deque = collections.deque()  # launched, not yet told to the loop
+        self.reported_in_flight = 0
+
+
 class CudaRuntime(Runtime):
     device_type = "cuda"
 
@@ -68,11 +79,10 @@ class CudaRuntime(Runtime):
         self.events = [torch.cuda.Event() for _ in range(n)]
         self.preds = self.graph.predecessors()
         self.prepared: list = [None] * n
-        self.streams: dict[tuple[int, int], torch.cuda.Stream] = {}
-        self.stream_of = [None] * n
+        self.lanes: dict[tuple[int, int], Lane] = {}
+        self.lane_of: list[Lane | None] = [None] * n
         self.finished = bytearray(n)
-        self.notified = bytearray(n)
-        self.fifo: dict[torch.cuda.Stream, collections.deque] = {}
+        self.reported = bytearray(n)
         self.completions = EventCompletions(self)
         self.outputs: dict[str, torch.Tensor] = {}
         self.host_out: dict[int, torch.Tensor] = {}
@@ -84,6 +94,8 @@ class CudaRuntime(Runtime):
         self.rng = RngReplay(tg, torch.device("cuda", self.devices[0]))
         self._ctx = None
         self._leaves = None
+        self._current: torch.cuda.Stream | None = None
+        self._caller_stream: torch.cuda.Stream | None = None
         self._batch_ready = torch.cuda.Event()
         torch.cuda.synchronize()  # the initial state was written on the default stream
 
@@ -100,73 +112,83 @@ class CudaRuntime(Runtime):
 
         self._ctx = StepContext(mg.taskgraph, step, torch.device("cuda", self.devices[0]), self.rng)
         self._leaves = leaves
-        self._batch_ready.record()  # the batch may come from work queued on the caller's stream
         self.outputs = {}
         self.finished = bytearray(self.graph.n)
-        self.notified = bytearray(self.graph.n)
-        for q in self.fifo.values():
-            q.clear()
+        self.reported = bytearray(self.graph.n)
+        for lane in self.lanes.values():
+            lane.in_flight.clear()
+            lane.unreported.clear()
+            lane.reported_in_flight = 0
         self.completions.ready.clear()
+        self._caller_stream = self._current = torch.cuda.current_stream()
+        self._batch_ready.record()  # the batch may come from work queued on the caller's stream
+
+    def _finish(self) -> None:
+        for lane in self.lanes.values():
+            lane.stream.synchronize()
+        if self._caller_stream is not None:
+            torch.cuda.set_stream(self._caller_stream)
+        self._ctx = self._leaves = self._caller_stream = self._current = None
 
     def end_step(self) -> dict:
-        for stream in self.streams.values():
-            stream.synchronize()
-        outputs = {name: t.clone() for name, t in self.outputs.items()}
-        self._ctx = self._leaves = None
-        return outputs
+        self._finish()
+        return {name: t.clone() for name, t in self.outputs.items()}
 
     def abort_step(self) -> None:
-        for stream in self.streams.values():
-            stream.synchronize()
-        self._ctx = self._leaves = None
+        self._finish()
 
-    def stream(self, item: Launch) -> torch.cuda.Stream:
-        s = self.streams.get((item.key, item.instance))
-        if s is None:
-            _, dev = self.graph.keys[item.key]
-            s = torch.cuda.Stream(device=torch.device("cuda", dev))
-            self.streams[(item.key, item.instance)] = s
-            self.fifo[s] = collections.deque()
-        return s
+    def lane(self, item: Launch) -> Lane:
+        lane = self.lanes.get((item.key, item.instance))
+        if lane is None:
+            stream_class, dev = self.graph.keys[item.key]
+            lane = Lane(torch.cuda.Stream(device=torch.device("cuda", dev)), stream_class is Stream.COMPUTE)
+            self.lanes[(item.key, item.instance)] = lane
+        return lane
 
     def launch(self, item: Launch, notify) -> None:
         vid = item.vertex
-        mv = self.mg.vertices[vid]
-        stream = self.stream(item)
-        self.stream_of[vid] = stream
+        lane = self.lane(item)
+        stream = lane.stream
+        self.lane_of[vid] = lane
+        finished, lane_of, events = self.finished, self.lane_of, self.events
         for p in self.preds[vid]:
-            if not self.finished[p] and self.stream_of[p] is not stream:
-                stream.wait_event(self.events[p])
-        with torch.cuda.stream(stream):
-            self.execute(mv)
-        self.events[vid].record(stream)
-        q = self.fifo[stream]
-        q.append(vid)
-        if mv.stream is Stream.COMPUTE and len(q) <= self.depth:
-            self.notified[vid] = 1
-            now = time.perf_counter()
-            self.completions.put(Completion(vid, None, now, now))
+            if not finished[p] and lane_of[p] is not lane:
+                stream.wait_event(events[p])
+        if self._current is not stream:  # cheaper than a stream context per launch
+            torch.cuda.set_stream(stream)
+            self._current = stream
+        self.execute(self.mg.vertices[vid])
+        events[vid].record(stream)
+        lane.in_flight.append(vid)
+        if lane.early and lane.reported_in_flight < self.depth:
+            lane.reported_in_flight += 1
+            self.reported[vid] = 1
+            self.completions.ready.append(Completion(vid, None, 0.0, 0.0))
+        else:
+            lane.unreported.append(vid)
 
     def poll(self) -> bool:
-        """Retire finished vertices at the heads of the stream FIFOs; True if anything moved."""
+        """Retire finished vertices at the heads of the lanes; True if the loop has news."""
         moved = False
-        for q in self.fifo.values():
-            while q and self.events[q[0]].query():
+        events, reported, ready, depth = self.events, self.reported, self.completions.ready, self.depth
+        for lane in self.lanes.values():
+            q = lane.in_flight
+            while q and events[q[0]].query():
                 vid = q.popleft()
                 self.finished[vid] = 1
-                moved = True
-                if not self.notified[vid]:
-                    self.notified[vid] = 1
-                    now = time.perf_counter()
-                    self.completions.put(Completion(vid, None, now, now))
-            # the queue shrank: report queued compute vertices now within the depth
-            for i, vid in enumerate(q):
-                if i >= self.depth:
-                    break
-                if not self.notified[vid]:
-                    self.notified[vid] = 1
-                    now = time.perf_counter()
-                    self.completions.put(Completion(vid, None, now, now))
+                if reported[vid]:
+                    lane.reported_in_flight -= 1
+                else:  # reported vertices are always older than unreported ones
+                    lane.unreported.popleft()
+                    reported[vid] = 1
+                    ready.append(Completion(vid, None, 0.0, time.perf_counter()))
+                    moved = True
+            if lane.early:
+                while lane.unreported and lane.reported_in_flight < depth:
+                    vid = lane.unreported.popleft()
+                    reported[vid] = 1
+                    lane.reported_in_flight += 1
+                    ready.append(Completion(vid, None, 0.0, 0.0))
                     moved = True
         return moved
 
