@@ -78,7 +78,6 @@ class CudaRuntime(Runtime):
         n = self.graph.n
         self.events = [torch.cuda.Event() for _ in range(n)]
         self.preds = self.graph.predecessors()
-        self.prepared: list = [None] * n
         self.lanes: dict[tuple[int, int], Lane] = {}
         self.lane_of: list[Lane | None] = [None] * n
         self.finished = bytearray(n)
@@ -196,9 +195,7 @@ class CudaRuntime(Runtime):
     def execute(self, mv) -> None:
         kind = mv.kind
         if kind is Kind.COMPUTE:
-            prepared = self.prepared[mv.id]
-            if prepared is None:
-                prepared = self.prepared[mv.id] = self._prepare(mv)
+            prepared = self.prepared(self.mg, mv)
             ctx = self._ctx
             prepared(ctx.scalars, ctx.rng_state(prepared.vertex), ctx.device)
         elif kind in (Kind.OFFLOAD, Kind.RELOAD, Kind.COPY):
@@ -220,19 +217,6 @@ class CudaRuntime(Runtime):
             self.outputs[mv.name or self._output_name.get(mv.value, f"value:{mv.value}")] = host
         else:
             raise EngineError(f"vertex {mv.id}: unknown kind {kind!r}")
-
-    def _prepare(self, mv):
-        from turnip.kernels.launch import PreparedVertex
-        from turnip.kernels.views import ref_view
-
-        mg = self.mg
-        tv = mg.taskgraph.vertices[mv.task_vertex]
-
-        def resolve(ref):
-            return ref_view(self.view(mg, mv.reads[ref.value], ref.value), ref)
-
-        outs = [self.view(mg, mv.writes[o], o) if o >= 0 and o in mv.writes else None for o in tv.outputs]
-        return PreparedVertex(tv, resolve, outs)
 
 
 def create_runtime(mg: MemGraph) -> CudaRuntime:

@@ -141,8 +141,9 @@ class MemGraph:
     # -- files --------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         state = {k: v for k, v in self.__dict__.items() if k != "runtime"}
-        if self.runtime is not None:  # save the trained weights, not the compile-time ones
+        if self.runtime is not None:  # save the trained weights and step count, not the compile-time ones
             state["initial_state"] = self.runtime.persistent_state(self)
+            state["stats"] = {**self.stats, "step": self.runtime.step}
         buf = io.BytesIO()
         pickle.dump({"format": "turnip.memgraph", "version": FORMAT_VERSION, "state": state}, buf,
                     protocol=pickle.HIGHEST_PROTOCOL)

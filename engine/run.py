@@ -1,0 +1,128 @@
+"""engine.run: check the batch, pick the backend, run one step through the loop.
+
+    out = engine.run(mg, batch)                       # out["loss"]
+    out = engine.run(mg, batch, ordering="deterministic", trace="step.json")
+
+Everything that can be checked before work starts (the batch, the ordering,
+stream counts, workspace) is checked first, so a bad call changes nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._pytree import tree_flatten
+from turnip.engine.errors import BatchError, EngineError
+from turnip.engine.loop import Record, Scheduler, drive
+from turnip.engine.policy import Policy, make_policy
+from turnip.engine.resources import StreamPool, WorkspacePool, stream_counts
+from turnip.engine.trace import write_trace
+from turnip.memgraph.memgraph import MemGraph
+
+log = logging.getLogger(__name__)
+
+# mg.device -> module providing create_runtime(mg); imported on first use so a
+# CPU-only install never imports CUDA code.
+BACKENDS = {"cpu": "turnip.engine.cpu", "cuda": "turnip.engine.cuda"}
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _input_name(value, leaf: int) -> str:
+    return value.name.removeprefix("batch:") if value.name else f"leaf {leaf}"
+
+
+def flatten_batch(mg: MemGraph, batch) -> list[torch.Tensor]:
+    """The batch's tensor leaves, in the traced order, after checking them against the example."""
+    tg = mg.taskgraph
+    leaves, spec = tree_flatten(batch)
+    expected = [tg.values[v] for v in tg.batch_inputs]
+    if len(leaves) != len(expected):
+        names = ", ".join(repr(_input_name(v, i)) for i, v in enumerate(expected)) or "none"
+        raise BatchError(f"batch has {len(leaves)} leaves, the traced example had {len(expected)} ({names})")
+    if tg.batch_spec is not None and spec != tg.batch_spec:
+        raise BatchError(f"batch structure {spec} differs from the traced example's {tg.batch_spec}")
+    for i, (leaf, value) in enumerate(zip(leaves, expected)):
+        want = f"shape {tuple(value.shape)} {_dtype_name(value.dtype)}"
+        name = _input_name(value, i)
+        if not isinstance(leaf, torch.Tensor):
+            raise BatchError(f"batch input '{name}' (leaf {i}): expected a tensor of {want}, "
+                             f"got {type(leaf).__name__}")
+        if tuple(leaf.shape) != tuple(value.shape) or leaf.dtype != value.dtype:
+            raise BatchError(f"batch input '{name}' (leaf {i}): expected {want}, "
+                             f"got {tuple(leaf.shape)} {_dtype_name(leaf.dtype)}")
+    return leaves
+
+
+def get_runtime(mg: MemGraph):
+    """mg.runtime, created (arena and storage allocated, initial state written) on first use."""
+    if mg.runtime is not None:
+        return mg.runtime
+    device_type = str(mg.device).split(":")[0]  # "cuda:0" runs on the cuda backend
+    module_name = BACKENDS.get(device_type)
+    if module_name is None:
+        raise EngineError(f"no engine backend for device {mg.device!r} (known: {sorted(BACKENDS)})")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        raise EngineError(f"the {device_type} engine backend ({module_name}) is not available in this "
+                          f"turnip install; run the MemGraph with device='cpu' or install it") from None
+    mg.runtime = module.create_runtime(mg)
+    return mg.runtime
+
+
+def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace: str | Path | None = None,
+        seed: int | None = None, streams: dict | None = None) -> dict:
+    """Run one training step of ``mg`` on ``batch``; return its outputs (``out["loss"]``).
+
+    ordering: "nondeterministic" (launch whatever is ready, earliest in mg.serial first),
+    "deterministic" (mg.serial order within each stream class), "random" (seeded random
+    priorities, for fuzzing), or a Policy. trace: path of a Chrome/Perfetto JSON trace.
+    streams: stream instances per class, e.g. {"compute": 4, "h2d": 2}.
+    """
+    policy = make_policy(ordering, seed)
+    leaves = flatten_batch(mg, batch)
+    runtime = get_runtime(mg)
+    counts = stream_counts(runtime.device_type, streams)
+    with runtime.lock:
+        graph = runtime.graph
+        pool = StreamPool([counts[stream] for stream, _ in graph.keys])
+        scheduler = Scheduler(graph, runtime.ranks(mg, policy), policy.strict, pool,
+                              WorkspacePool(runtime.workspace_capacity))
+        step = runtime.step + 1
+        records: list[Record] = []
+        runtime.begin_step(mg, leaves, step)
+        completions = runtime.completion_source()
+        notify = completions.put
+        origin = time.perf_counter()
+        ok = False
+        try:
+            drive(mg, scheduler, lambda item: runtime.launch(item, notify), completions, records)
+            outputs = runtime.end_step()
+            # the step counter moves only when the step completed, so a failed step can be rerun
+            runtime.step = step
+            ok = True
+        except EngineError as exc:
+            exc.add_note(f"step {step}, ordering {policy!r}")  # a failing random order can be replayed by seed
+            raise
+        finally:
+            if not ok:
+                runtime.abort_step()
+            runtime.last_records = records
+            runtime.last_launch_order = scheduler.launch_order
+            if trace is not None:
+                write_trace(trace, mg, records, graph.keys, origin,
+                            instances={k: n for k, n in enumerate(pool.sizes)},
+                            meta={"step": step, "ordering": policy.name, "policy": repr(policy), "ok": ok,
+                                  "vertices": graph.n, "wall_s": time.perf_counter() - origin})
+        log.debug("step %d: %d vertices in %.3f ms (%s)", step, graph.n,
+                  (time.perf_counter() - origin) * 1e3, policy)
+        return outputs

@@ -1,0 +1,203 @@
+"""What the engine keeps on a MemGraph between steps (``mg.runtime``), shared by backends.
+
+A runtime owns the arena (one byte buffer per device), the CPU storage (one
+byte buffer), the step counter, and the loop's precomputed graph. Backends
+(engine/cpu.py, engine/cuda.py) subclass it and add how buffers are
+allocated and how a vertex is launched:
+
+    _allocate(mg)                     allocate self.arenas {device: uint8} and self.storage
+    begin_step(mg, leaves, step)      per-step state (StepContext, batch leaves, outputs)
+    completion_source()               optional: what the loop blocks on (default: a SimpleQueue)
+    launch(item, notify)              start vertex item.vertex on stream instance
+                                      (item.key, item.instance); call notify(Completion)
+                                      exactly once, from any thread, when it is done
+    end_step() -> dict                the step's outputs; abort_step() after a failure
+    close()                           stop worker threads / free buffers
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import torch
+from turnip.engine.errors import EngineError
+from turnip.engine.loop import StaticGraph
+from turnip.memgraph.memgraph import MemGraph, Place
+
+log = logging.getLogger(__name__)
+
+
+def initial_step(mg: MemGraph) -> int:
+    """The optimizer's step count before the first engine.run (0 for graphs without optimizer)."""
+    opt = mg.taskgraph.optimizer
+    return int(getattr(opt, "initial_step", 0) or 0) if opt is not None else 0
+
+
+def arena_devices(mg: MemGraph) -> list[int]:
+    devs = {p.device for mv in mg.vertices for places in (mv.reads, mv.writes)
+            for p in places.values() if p.where == "gpu"}
+    devs |= {p.device for p in mg.homes.values() if p.where == "gpu"}
+    return sorted(devs) or [0]
+
+
+def workspace_capacity(mg: MemGraph, devices: list[int]) -> dict[int, int | None]:
+    """Workspace bytes per device: what the GPU budget leaves beside the arena (unbounded without a budget)."""
+    budget = int(getattr(mg.plan, "gpu_budget", 0) or 0)
+    cap = budget - mg.arena_bytes if budget > 0 else None
+    if cap is not None and cap < 0:
+        log.warning("arena (%d bytes) exceeds the plan's GPU budget (%d); workspace left unbounded",
+                    mg.arena_bytes, budget)
+        cap = None
+    return {dev: cap for dev in devices}
+
+
+class Runtime:
+    device_type = "cpu"
+
+    def __init__(self, mg: MemGraph):
+        self.graph = StaticGraph(mg)
+        # a saved MemGraph remembers how many steps it took (Adam's bias corrections depend on it)
+        self.step = int(mg.stats.get("step", initial_step(mg)))
+        self.lock = threading.Lock()  # one step at a time per MemGraph
+        self.devices = arena_devices(mg)
+        self.workspace_capacity = workspace_capacity(mg, self.devices)
+        self.arenas: dict[int, torch.Tensor] = {}
+        self.storage: torch.Tensor | None = None
+        self._views: dict[tuple, torch.Tensor] = {}
+        self._prepared: dict[int, object] = {}
+        self._ranks: dict[str, list[int]] = {}
+        self.last_records: list = []  # Record of the last step (for traces and tests)
+        self.last_launch_order: list[int] = []
+        self._allocate(mg)
+        self._write_initial_state(mg)
+
+    # -- buffers ----------------------------------------------------------------------
+    def _allocate(self, mg: MemGraph) -> None:
+        raise NotImplementedError
+
+    def buffer(self, place: Place) -> torch.Tensor:
+        if place.where == "gpu":
+            try:
+                return self.arenas[place.device]
+            except KeyError:
+                raise EngineError(f"no arena on device {place.device}") from None
+        if place.where == "cpu":
+            return self.storage
+        raise EngineError(f"unknown place {place.where!r} (expected 'gpu' or 'cpu')")
+
+    def view(self, mg: MemGraph, place: Place, value: int) -> torch.Tensor:
+        """The dense tensor of ``value`` stored at ``place`` (cached: the arena never moves)."""
+        key = (place.where, place.device, place.offset, value)
+        t = self._views.get(key)
+        if t is None:
+            from turnip.kernels.views import typed_view
+
+            val = mg.taskgraph.values[value]
+            buf = self.buffer(place)
+            if place.offset < 0 or place.offset + val.nbytes > buf.numel():
+                raise EngineError(f"value {value} ({val.nbytes} bytes) at {place.where} offset {place.offset} "
+                                  f"lies outside its buffer of {buf.numel()} bytes")
+            t = typed_view(buf, place.offset, val)
+            if val.nbytes and t.data_ptr() != buf.data_ptr() + place.offset:
+                # cheap, once per place: a view at the wrong address would corrupt other values silently
+                raise EngineError(f"typed_view of value {value} starts at byte {t.data_ptr() - buf.data_ptr()} "
+                                  f"of its buffer, expected {place.offset}")
+            self._views[key] = t
+        return t
+
+    def bytes_of(self, place: Place, nbytes: int) -> torch.Tensor:
+        buf = self.buffer(place)
+        if nbytes > place.nbytes or place.offset < 0 or place.offset + nbytes > buf.numel():
+            raise EngineError(f"{nbytes} bytes at {place.where} offset {place.offset} do not fit the place "
+                              f"({place.nbytes} bytes) or its buffer ({buf.numel()} bytes)")
+        return buf[place.offset:place.offset + nbytes]
+
+    def prepared(self, mg: MemGraph, mv):
+        """The compute vertex bound once to its arena views (cached: places never move)."""
+        cache = self._prepared
+        prepared = cache.get(mv.id)
+        if prepared is None:
+            from turnip.kernels.launch import PreparedVertex
+            from turnip.kernels.views import ref_view
+
+            tv = mg.taskgraph.vertices[mv.task_vertex]
+            reads = mv.reads
+
+            def resolve(ref):
+                place = reads.get(ref.value)
+                if place is None:
+                    raise EngineError(f"vertex {mv.id} reads value {ref.value}, which its MemGraph vertex "
+                                      f"does not place")
+                return ref_view(self.view(mg, place, ref.value), ref)
+
+            outs = [self.view(mg, mv.writes[o], o) if o >= 0 and o in mv.writes else None for o in tv.outputs]
+            prepared = cache[mv.id] = PreparedVertex(tv, resolve, outs)
+        return prepared
+
+    # -- persistent state -------------------------------------------------------------
+    @torch.no_grad()
+    def _write_initial_state(self, mg: MemGraph) -> None:
+        for vid, home in mg.homes.items():
+            if vid not in mg.initial_state:
+                raise EngineError(f"persistent value {vid} ({mg.taskgraph.values[vid].name}) has a home "
+                                  f"but no initial state")
+            src = mg.initial_state[vid]
+            val = mg.taskgraph.values[vid]
+            if tuple(src.shape) != tuple(val.shape) or src.dtype != val.dtype:
+                raise EngineError(f"initial state of value {vid} ({val.name}) is {tuple(src.shape)} {src.dtype}, "
+                                  f"expected {tuple(val.shape)} {val.dtype}")
+            self.view(mg, home, vid).copy_(src)
+
+    @torch.no_grad()
+    def read_home(self, mg: MemGraph, vid: int) -> torch.Tensor:
+        """A fresh CPU tensor with the current contents of a persistent value."""
+        home = mg.homes.get(vid)
+        if home is None:
+            return mg.initial_state[vid].detach().clone()
+        return self.view(mg, home, vid).detach().to("cpu", copy=True)
+
+    def state_dict(self, mg: MemGraph) -> dict:
+        return {name: self.read_home(mg, vid) for name, vid in mg.names.items()
+                if vid in mg.homes or vid in mg.initial_state}
+
+    def persistent_state(self, mg: MemGraph) -> dict:
+        state = {vid: t for vid, t in mg.initial_state.items() if vid not in mg.homes}
+        state.update({vid: self.read_home(mg, vid) for vid in mg.homes})
+        return state
+
+    # -- the loop's cached inputs -------------------------------------------------------
+    def ranks(self, mg: MemGraph, policy) -> list[int]:
+        key = getattr(policy, "cache_key", None)
+        if key is None:
+            return policy.ranks(mg)
+        if key not in self._ranks:
+            self._ranks[key] = policy.ranks(mg)
+        return self._ranks[key]
+
+    # -- backend hooks ------------------------------------------------------------------
+    def completion_source(self):
+        """Where the loop waits: an object with put(Completion) and a blocking get().
+
+        By default a fresh thread-safe queue per step (the notify callable launch()
+        gets is its put). A backend that polls instead (CUDA events) exposes its own
+        as ``self.completions``.
+        """
+        source = getattr(self, "completions", None)
+        return source if source is not None else queue.SimpleQueue()
+
+    def begin_step(self, mg: MemGraph, leaves: list, step: int) -> None:
+        raise NotImplementedError
+
+    def launch(self, item, notify) -> None:
+        raise NotImplementedError
+
+    def end_step(self) -> dict:
+        raise NotImplementedError
+
+    def abort_step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

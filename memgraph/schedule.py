@@ -1,0 +1,117 @@
+"""The steps BuildMemGraph simulates, and the facts about them it needs up front.
+
+A *step* is one of: a TaskGraph vertex (``TASK``), returning a step output
+(``OUT``: read the value, right after its producer), or writing an updated
+parameter/state back into its input's home (``WB``: as soon as the update is
+produced and every reader of the old value has run). Knowing every step's
+position lets the builder ask "when is this value used next?" (eviction) and
+"what is the most arena any single step needs at once?" (the smallest budget).
+"""
+
+from __future__ import annotations
+
+from turnip.memgraph.taskgraph import TaskGraph, ValueKind
+from turnip.planners.plan import CPU, GPU, Plan
+
+TASK, OUT, WB = 0, 1, 2
+
+
+def aligned(nbytes: int, alignment: int) -> int:
+    """Bytes a value takes in the arena: at least one alignment unit."""
+    return -(-max(int(nbytes), 1) // alignment) * alignment
+
+
+class Schedule:
+    def __init__(self, tg: TaskGraph, order: list[int], plan: Plan, alignment: int):
+        values = tg.values
+        self.size = [aligned(v.nbytes, alignment) for v in values]
+        self.inputs = [vertex.inputs() for vertex in tg.vertices]
+        self.outputs = [[o for o in vertex.outputs if o >= 0] for vertex in tg.vertices]
+        for vid, home in plan.home.items():
+            if home not in (GPU, CPU):
+                raise ValueError(f"plan.home[{vid}] is {home!r}, expected 'gpu' or 'cpu'")
+        self.gpu_home = [v.kind.is_persistent and plan.home_of(v.id) == GPU for v in values]
+        self.cpu_home = [v.kind.is_persistent and plan.home_of(v.id) == CPU for v in values]
+
+        # -- place OUT and WB steps between the task steps --------------------------------
+        pos = {vid: k for k, vid in enumerate(order)}
+        last_read = [-1] * len(values)  # index in `order` of the last task reading each value
+        for k, vid in enumerate(order):
+            for x in self.inputs[vid]:
+                last_read[x] = k
+
+        def produced_at(v: int) -> int:
+            producer = values[v].producer
+            return pos[producer] if values[v].kind is ValueKind.INTERMEDIATE and producer >= 0 else -1
+
+        extra: dict[int, list[tuple]] = {}
+        out_at: dict[int, int] = {}
+        for name, v in tg.outputs.items():
+            k = produced_at(v)
+            extra.setdefault(k, []).append((OUT, name, v))
+            out_at[v] = max(out_at.get(v, -1), k)
+        for src, dst in tg.bindings.items():
+            if src == dst:
+                continue
+            k = max(produced_at(dst), last_read[src], out_at.get(src, -1))
+            extra.setdefault(k, []).append((WB, src, dst))
+        self.steps: list[tuple] = list(extra.get(-1, []))
+        for k, vid in enumerate(order):
+            self.steps.append((TASK, vid))
+            self.steps.extend(extra.get(k, []))
+
+        # -- uses: the steps reading each value, in order -------------------------------
+        self.uses: list[list[int]] = [[] for _ in values]
+        self.task_step = {}
+        for s, step in enumerate(self.steps):
+            if step[0] == TASK:
+                self.task_step[step[1]] = s
+                for x in self.inputs[step[1]]:
+                    self.uses[x].append(s)
+            elif step[0] == OUT:
+                self.uses[step[2]].append(s)
+            else:
+                self.uses[step[2]].append(s)
+
+        # -- plan.offload: offload after production, free across the longest gap between uses,
+        #    reload before the use after the gap (forward activation -> backward use) ---------
+        self.offload_after: set[int] = set()
+        self.release_at: dict[int, list[int]] = {}
+        for v in sorted(plan.offload):
+            if not 0 <= v < len(values) or values[v].kind is not ValueKind.INTERMEDIATE or values[v].producer < 0:
+                continue
+            times = [self.task_step[values[v].producer]] + self.uses[v]
+            gap, at = max((b - a, a) for a, b in zip(times, times[1:])) if len(times) > 1 else (0, -1)
+            if gap >= 2:  # something runs in between: worth freeing the bytes
+                self.offload_after.add(v)
+                self.release_at.setdefault(at, []).append(v)
+
+        # -- the most arena any single step needs at once, beside the GPU homes ----------
+        self.home_bytes = sum(self.size[v] for v in range(len(values)) if self.gpu_home[v])
+        self.need = [0] * len(self.steps)
+        for s, step in enumerate(self.steps):
+            if step[0] == TASK:
+                vid = step[1]
+                self.need[s] = sum(self.size[o] for o in self.outputs[vid]) + sum(
+                    self.size[x] for x in self.inputs[vid] if not self.gpu_home[x])
+            else:
+                v = step[2]
+                self.need[s] = 0 if self.gpu_home[v] else self.size[v]
+        self.max_workspace = max((vertex.workspace for vertex in tg.vertices), default=0)
+
+    def min_gpu_budget(self) -> tuple[int, int]:
+        """(smallest GPU budget the builder can always run in when CPU storage is unbounded,
+        the step needing it)."""
+        if not self.steps:
+            return self.home_bytes + self.max_workspace, -1
+        s = max(range(len(self.steps)), key=self.need.__getitem__)
+        return self.home_bytes + self.need[s] + self.max_workspace, s
+
+    def task_vertex_of(self, tg: TaskGraph, s: int) -> int:
+        """The TaskGraph vertex to blame for step s (its own, or the producer of what it reads)."""
+        if s < 0:
+            return -1
+        step = self.steps[s]
+        if step[0] == TASK:
+            return step[1]
+        return tg.values[step[2]].producer

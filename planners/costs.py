@@ -1,0 +1,329 @@
+"""Cost model: how long each TaskGraph vertex takes, how much scratch memory it needs, and how
+fast bytes cross the host<->device link.
+
+Two sources, one interface:
+- measured on the target device (``measure=True``, CUDA events, median of several runs; see
+  measure.py), each distinct op signature once, answers cached on disk keyed by device name,
+  torch version and signature, so a second compile of the same model measures nothing;
+- analytic (FLOPs and bytes over the device's rates), for the CPU backend and for planning a
+  device you are not on. Defaults describe an H100/H200-class GPU.
+
+``CostModel.annotate(tg)`` fills ``vertex.time`` and ``vertex.workspace``; planners read those
+and the two bandwidths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from turnip.memgraph.taskgraph import ScalarRef, TaskGraph, TensorRef, Vertex
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Rates of a device for the analytic model (per second)."""
+
+    name: str = "h100-class (assumed)"
+    # Dense matmul throughput by dtype name. fp32 is without TF32: PyTorch's default keeps
+    # TF32 off for matmuls, and results must match eager.
+    flops: dict = field(default_factory=lambda: {
+        "bfloat16": 700e12, "float16": 700e12, "float32": 50e12, "float64": 25e12,
+        "float8_e4m3fn": 1400e12, "float8_e5m2": 1400e12,
+    })
+    default_flops: float = 50e12  # dtypes not in the table (integers, synthetic graphs)
+    mem_bw: float = 3e12  # HBM bytes/s
+    h2d: float = 50e9  # pinned host -> device bytes/s
+    d2h: float = 50e9  # device -> pinned host bytes/s
+    launch: float = 5e-6  # floor per op: launch latency plus engine bookkeeping
+
+    def rate(self, dtype: Any) -> float:
+        return self.flops.get(dtype_name(dtype), self.default_flops)
+
+
+H100 = DeviceSpec()
+# A rough CPU spec, only used when a user asks to plan for the host itself.
+CPU = DeviceSpec(name="cpu (assumed)", flops={"float32": 1e12, "bfloat16": 1e12, "float64": 0.5e12},
+                 default_flops=0.5e12, mem_bw=100e9, h2d=20e9, d2h=20e9, launch=10e-6)
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def itemsize(dtype: Any) -> int:
+    name = dtype_name(dtype)
+    match = re.search(r"(\d+)", name)
+    if name == "bool":
+        return 1
+    if name.startswith("complex") and match:
+        return int(match.group(1)) // 8
+    return max(1, int(match.group(1)) // 8) if match else 4
+
+
+def _numel(size) -> int:
+    return math.prod(size) if size else 1
+
+
+# -- analytic model ---------------------------------------------------------------------------
+
+def _tensor_args(vertex: Vertex) -> list[TensorRef]:
+    return [a for a in vertex.args if isinstance(a, TensorRef)]
+
+
+def _dims(ref: TensorRef) -> tuple[int, ...]:
+    return tuple(ref.size)
+
+
+def matmul_flops(tg: TaskGraph, vertex: Vertex) -> float | None:
+    """FLOPs of the compute-bound ops; None for ops that are bound by memory traffic."""
+    base = vertex.op.removeprefix("aten::").split(".")[0]
+    t = _tensor_args(vertex)
+    try:
+        if base == "mm" and len(t) >= 2:
+            (m, k), (_, n) = _dims(t[0]), _dims(t[1])
+            return 2.0 * m * n * k
+        if base == "addmm" and len(t) >= 3:
+            (m, k), (_, n) = _dims(t[1]), _dims(t[2])
+            return 2.0 * m * n * k + m * n
+        if base in ("bmm", "baddbmm") and len(t) >= 2:
+            a, b = (t[1], t[2]) if base == "baddbmm" else (t[0], t[1])
+            (bs, m, k), (_, _, n) = _dims(a), _dims(b)
+            return 2.0 * bs * m * n * k
+        if base.startswith(("_scaled_dot_product", "_flash_attention", "_efficient_attention")):
+            return _attention_flops(vertex, t, backward=base.endswith("backward"))
+        if base in ("convolution", "_convolution", "cudnn_convolution") and vertex.outputs[0] >= 0:
+            w = _dims(t[1])  # (C_out, C_in/groups, *kernel): each output element costs 2*prod(w[1:])
+            return 2.0 * math.prod(w[1:]) * _numel(tg.values[vertex.outputs[0]].shape)
+        if base == "convolution_backward":  # (grad_out, input, weight, ...): input grad + weight grad
+            return 4.0 * math.prod(_dims(t[2])[1:]) * _numel(_dims(t[0]))
+    except (ValueError, IndexError):
+        return None  # unexpected argument layout: fall back to the bytes-bound estimate
+    return None
+
+
+def _attention_flops(vertex: Vertex, t: list[TensorRef], backward: bool) -> float:
+    # forward args start (q, k, v); backward args start (grad_out, q, k, v)
+    q, k = (t[1], t[2]) if backward else (t[0], t[1])
+    *batch, lq, e = _dims(q)
+    lk = _dims(k)[-2]
+    flops = 4.0 * _numel(batch) * lq * lk * e  # QK^T and PV
+    if vertex.kwargs.get("is_causal", False) or any(a is True for a in vertex.args[3:6]):
+        flops *= 0.5
+    return flops * (2.5 if backward else 1.0)  # backward: recompute P, then dQ, dK, dV, dP
+
+
+def analytic_time(tg: TaskGraph, vertex: Vertex, spec: DeviceSpec) -> float:
+    """Roofline estimate: max(FLOPs / matmul rate, bytes / HBM bandwidth) plus a launch floor."""
+    read, dtype = 0, None
+    own = set(vertex.outputs)
+    for ref in vertex.refs():
+        if ref.value in own:
+            continue
+        val = tg.values[ref.value]
+        if val.dtype is not None and dtype_name(val.dtype).startswith(("float", "bfloat", "complex")):
+            dtype = dtype or val.dtype
+        # a broadcast view reads no more than its value's storage
+        read += min(_numel(ref.size) * itemsize(val.dtype), val.nbytes)
+    for old, _new in vertex.copy_in:
+        read += tg.values[old].nbytes
+    written = sum(tg.values[o].nbytes for o in vertex.outputs if o >= 0)
+    flops = matmul_flops(tg, vertex)
+    compute = flops / spec.rate(dtype) if flops else 0.0
+    return max(compute, (read + written) / spec.mem_bw) + spec.launch
+
+
+def analytic_workspace(tg: TaskGraph, vertex: Vertex) -> int:
+    """Temporary bytes beyond the outputs. The launcher runs ops functionally and copies the
+    result into the output's place, so the op's own result is scratch memory while it runs."""
+    return sum(tg.values[o].nbytes for o in vertex.outputs if o >= 0) if not vertex.copy_in else 0
+
+
+# -- signatures and the disk cache ------------------------------------------------------------
+
+def _normalize(template: Any, tg: TaskGraph, own: dict[int, int]) -> Any:
+    if isinstance(template, TensorRef):
+        val = tg.values[template.value]
+        tag = f"out{own[template.value]}" if template.value in own else "in"
+        return ("T", tag, tuple(template.size), tuple(template.stride), template.storage_offset,
+                dtype_name(val.dtype), tuple(val.shape), tuple(val.stride))
+    if isinstance(template, ScalarRef):
+        return ("S",)  # the value changes per step; the kernel does not
+    if isinstance(template, (list, tuple)):
+        return (type(template).__name__, tuple(_normalize(t, tg, own) for t in template))
+    if isinstance(template, dict):
+        return ("dict", tuple(sorted((k, _normalize(v, tg, own)) for k, v in template.items())))
+    return ("C", repr(template))
+
+
+def signature(tg: TaskGraph, vertex: Vertex) -> str:
+    """Identical ops on identical shapes/strides/dtypes (e.g. the same layer repeated) share one."""
+    own = {vid: i for i, vid in enumerate(vertex.outputs) if vid >= 0}
+    outs = tuple((tuple(tg.values[o].shape), tuple(tg.values[o].stride), dtype_name(tg.values[o].dtype))
+                 if o >= 0 else None for o in vertex.outputs)
+    key = repr((vertex.op, _normalize(vertex.args, tg, own), _normalize(vertex.kwargs, tg, own), outs,
+                tuple(own.get(n, -1) for _, n in vertex.copy_in)))
+    return hashlib.sha1(key.encode()).hexdigest()
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("TURNIP_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "turnip"
+
+
+class CostCache:
+    """JSON file of measured op costs and link bandwidths for one (device, torch version)."""
+
+    def __init__(self, cache_dir: str | Path, device_name: str, torch_version: str):
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{device_name}-torch{torch_version}")
+        self.path = Path(cache_dir) / f"costs-{slug}.json"
+        self.device_name, self.torch_version = device_name, torch_version
+        self.ops: dict[str, dict] = {}
+        self.bandwidth: dict[str, float] = {}
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            blob = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        if blob.get("version") != CACHE_VERSION or blob.get("device") != self.device_name \
+                or blob.get("torch") != self.torch_version:
+            log.info("ignoring cost cache %s (other device, torch or format)", self.path)
+            return
+        self.ops = dict(blob.get("ops", {}))
+        self.bandwidth = dict(blob.get("bandwidth", {}))
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        blob = {"version": CACHE_VERSION, "device": self.device_name, "torch": self.torch_version,
+                "ops": self.ops, "bandwidth": self.bandwidth}
+        # write-then-rename so a concurrent compile never reads half a file
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".costs-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(blob, f, indent=0, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+# -- the cost model -----------------------------------------------------------------------------
+
+class CostModel:
+    """Per-vertex time and workspace plus link bandwidths, measured (cached) or analytic.
+
+    measure: None = measure when the target device is CUDA and present, else analytic.
+    """
+
+    def __init__(self, device: str | None = None, spec: DeviceSpec | None = None, measure: bool | None = None,
+                 cache_dir: str | Path | None = None, runs: int = 7, warmup: int = 2):
+        import torch
+
+        self.device = str(device) if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        is_cuda = self.device.startswith("cuda")
+        self.measure = (is_cuda and torch.cuda.is_available()) if measure is None else measure
+        self.spec = spec or H100
+        self.runs, self.warmup = runs, warmup
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self._cache: CostCache | None = None
+        self.measured = 0  # ops measured by this model (tests check the cache answers instead)
+        self.cache_hits = 0
+
+    # the cache is opened lazily: an analytic model never touches the disk
+    @property
+    def cache(self) -> CostCache:
+        if self._cache is None:
+            from turnip.planners.measure import device_name
+            import torch
+
+            self._cache = CostCache(self.cache_dir, device_name(self.device), torch.__version__)
+        return self._cache
+
+    @property
+    def h2d_bandwidth(self) -> float:
+        return self._bandwidth("h2d")
+
+    @property
+    def d2h_bandwidth(self) -> float:
+        return self._bandwidth("d2h")
+
+    def _bandwidth(self, direction: str) -> float:
+        if not self.measure or not self.device.startswith("cuda"):
+            return getattr(self.spec, direction)
+        cache = self.cache
+        if direction not in cache.bandwidth:
+            from turnip.planners.measure import measure_bandwidth
+
+            cache.bandwidth.update(measure_bandwidth(self.device))
+            cache.save()
+        return cache.bandwidth[direction]
+
+    def transfer_time(self, nbytes: int, direction: str) -> float:
+        return nbytes / (self.h2d_bandwidth if direction == "h2d" else self.d2h_bandwidth)
+
+    def estimate(self, tg: TaskGraph, vertex: Vertex) -> tuple[float, int]:
+        """(seconds, workspace bytes) of one vertex from the analytic model."""
+        return analytic_time(tg, vertex, self.spec), analytic_workspace(tg, vertex)
+
+    def annotate(self, tg: TaskGraph, overwrite: bool = False) -> TaskGraph:
+        """Fill vertex.time and vertex.workspace. Vertices that already carry a time keep it
+        unless overwrite (synthetic graphs set their own)."""
+        todo = [v for v in tg.vertices if overwrite or v.time <= 0]
+        if not todo:
+            return tg
+        if not self.measure:
+            for v in todo:
+                v.time, ws = self.estimate(tg, v)
+                v.workspace = max(v.workspace, ws) if not overwrite else ws
+            return tg
+        self._annotate_measured(tg, todo)
+        return tg
+
+    def _annotate_measured(self, tg: TaskGraph, todo: list[Vertex]) -> None:
+        from turnip.planners.measure import measure_vertex
+
+        cache = self.cache
+        sigs = {v.id: signature(tg, v) for v in todo}
+        missing: dict[str, Vertex] = {}
+        for v in todo:
+            if sigs[v.id] not in cache.ops:
+                missing.setdefault(sigs[v.id], v)
+        self.cache_hits += len(todo) - sum(1 for v in todo if sigs[v.id] in missing)
+        if missing:
+            log.info("measuring %d distinct ops on %s (%d vertices, %d answered by the cache)",
+                     len(missing), self.device, len(todo), self.cache_hits)
+        for sig, v in missing.items():
+            try:
+                seconds, workspace = measure_vertex(tg, v, self.device, runs=self.runs, warmup=self.warmup)
+            except Exception as err:  # an op we cannot run standalone: estimate it, do not cache
+                log.warning("cannot measure %s (%s); using the analytic estimate", v.op, err)
+                seconds, workspace = self.estimate(tg, v)
+                for u in todo:
+                    if sigs[u.id] == sig:
+                        u.time, u.workspace = seconds, workspace
+                continue
+            self.measured += 1
+            cache.ops[sig] = {"time": seconds, "workspace": int(workspace), "op": v.op}
+        if missing:
+            cache.save()
+        for v in todo:
+            entry = cache.ops.get(sigs[v.id])
+            if entry is not None:
+                v.time, v.workspace = float(entry["time"]), int(entry["workspace"])
+
+
+def default_costs(tg: TaskGraph) -> CostModel:
+    """Measured on the graph's device when it is a present CUDA device, analytic otherwise."""
+    return CostModel(device=tg.device)

@@ -1,0 +1,127 @@
+"""Measure one vertex, or the host<->device link, on a real device.
+
+Used by CostModel only for signatures its cache cannot answer. On CUDA, times come from CUDA
+events (median of several runs after warm-up) and workspace from the caching allocator's peak;
+on other devices (tests, the CPU backend) from the wall clock, with no workspace.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+import time
+
+import torch
+
+from turnip.kernels.launch import run_vertex
+from turnip.kernels.views import ref_view
+from turnip.memgraph.taskgraph import TaskGraph, TensorRef, Vertex
+
+log = logging.getLogger(__name__)
+
+
+def device_name(device: str) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev.index if dev.index is not None else torch.cuda.current_device())
+    return f"{dev.type}-{platform.machine()}-{platform.processor() or 'unknown'}"
+
+
+class _Scalars(dict):
+    """Optimizer scalars for timing: any name resolves (the kernel is the same for every value)."""
+
+    def __missing__(self, key):
+        return 0.5
+
+
+def _fill(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() or t.is_complex():
+        return t.normal_()
+    return t.zero_()  # indices and targets: 0 is valid for embeddings, gathers and losses
+
+
+def _inputs(tg: TaskGraph, vertex: Vertex, dev: torch.device) -> dict[int, torch.Tensor]:
+    env = {}
+    for vid in vertex.inputs():
+        val = tg.values[vid]
+        env[vid] = _fill(torch.empty_strided(val.shape, val.stride, dtype=val.dtype, device=dev))
+    return env
+
+
+def _outputs(tg: TaskGraph, vertex: Vertex, dev: torch.device) -> list[torch.Tensor | None]:
+    outs = []
+    for vid in vertex.outputs:
+        if vid < 0:
+            outs.append(None)
+            continue
+        val = tg.values[vid]
+        outs.append(torch.empty_strided(val.shape, val.stride, dtype=val.dtype, device=dev))
+    return outs
+
+
+def measure_vertex(tg: TaskGraph, vertex: Vertex, device: str, runs: int = 7, warmup: int = 2) -> tuple[float, int]:
+    """(median seconds, workspace bytes) of running `vertex` the way the engine does: through
+    run_vertex into preallocated outputs."""
+    dev = torch.device(device)
+    env = _inputs(tg, vertex, dev)
+    outs = _outputs(tg, vertex, dev)
+    scalars = _Scalars(tg.optimizer.scalars(1) if tg.optimizer is not None else {})
+
+    def resolve(ref: TensorRef) -> torch.Tensor:
+        return ref_view(env[ref.value], ref)
+
+    def once():
+        run_vertex(vertex, resolve, outs, scalars, None, dev)
+
+    for _ in range(warmup):
+        once()
+    if dev.type == "cuda":
+        return _time_cuda(once, runs, dev)
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        once()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples), 0
+
+
+def _time_cuda(once, runs: int, dev: torch.device) -> tuple[float, int]:
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    once()
+    torch.cuda.synchronize(dev)
+    workspace = max(0, torch.cuda.max_memory_allocated(dev) - base)
+    samples = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        once()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples), workspace
+
+
+def measure_bandwidth(device: str, nbytes: int = 64 << 20, runs: int = 5) -> dict[str, float]:
+    """Bytes/s host->device and device->host between pinned host memory and the device."""
+    dev = torch.device(device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    out = {}
+    for direction, (dst, src) in (("h2d", (gpu, host)), ("d2h", (host, gpu))):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        torch.cuda.synchronize(dev)
+        samples = []
+        for _ in range(runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            samples.append(nbytes / (start.elapsed_time(end) / 1e3))
+        out[direction] = statistics.median(samples)
+    log.info("link bandwidth on %s: h2d %.1f GB/s, d2h %.1f GB/s", device_name(device),
+             out["h2d"] / 1e9, out["d2h"] / 1e9)
+    return out

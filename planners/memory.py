@@ -1,0 +1,139 @@
+"""Evaluate decisions on a Problem: memory at every position of the serial order, time per window.
+
+This is the single definition of the cost model the planners optimize: the greedy calls it
+directly, the ILP encodes it linearly (ilp.py) and the tests brute-force it. A window takes the
+longest of its compute (recomputation included) and its transfers in each direction; the step
+takes the sum of its windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Problem
+
+
+@dataclass
+class Decisions:
+    groups: list[str]  # per group: KEEP | OFFLOAD | RECOMPUTE
+    cpu: list[bool]  # per item: homed on the CPU
+
+    @classmethod
+    def keep_all(cls, problem: Problem) -> "Decisions":
+        return cls([KEEP] * len(problem.groups), [False] * len(problem.items))
+
+    def copy(self) -> "Decisions":
+        return Decisions(list(self.groups), list(self.cpu))
+
+
+@dataclass
+class Evaluation:
+    feasible: bool
+    reason: str
+    time: float  # predicted seconds per step
+    peak: int  # bytes of values at the fullest position
+    peak_pos: int
+    profile: np.ndarray
+    window_time: np.ndarray
+    compute: np.ndarray
+    h2d: np.ndarray
+    d2h: np.ndarray
+    at: list[int]  # per group: position its backward copy is present from (-1: kept)
+    options: list[int]  # per group: option index (-1: the decision has no such option)
+    cpu_bytes: float
+    mix: dict = field(default_factory=dict)
+
+
+def need_times(problem: Problem, kinds: list[str]) -> list[int]:
+    """When each non-kept group is needed again: its first backward use, pulled earlier by
+    recomputed groups that read it (their recomputation runs at their own need time)."""
+    at = [-1] * len(problem.groups)
+    for gi in sorted(range(len(problem.groups)), key=lambda i: -problem.groups[i].pos):
+        if kinds[gi] == KEEP:
+            continue
+        s = problem.groups[gi].n0
+        for hi in problem.required_by[gi]:
+            if kinds[hi] == RECOMPUTE and 0 <= at[hi] < s:
+                s = at[hi]
+        at[gi] = s
+    return at
+
+
+def structural_problems(problem: Problem, decisions: Decisions, at: list[int] | None = None) -> list[str]:
+    """Reasons the decisions are outside the option space (independent of budgets)."""
+    at = need_times(problem, decisions.groups) if at is None else at
+    out = []
+    for gi, g in enumerate(problem.groups):
+        kind = decisions.groups[gi]
+        if g.option(kind, at[gi]) is None:
+            out.append(f"group {gi} (vertex {g.vertex}) cannot {kind} for position {at[gi]}")
+            continue
+        if kind == RECOMPUTE:
+            k = int(problem.window_of[at[gi]])
+            for w in g.persistent:
+                ii = problem.item_of[w]
+                if decisions.cpu[ii] and k not in problem.items[ii].need_windows[w]:
+                    out.append(f"group {gi} recomputes in window {k} where CPU-homed value {w} is absent")
+    return out
+
+
+def evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
+    n = problem.n
+    diff = np.zeros(n + 1, dtype=np.int64)
+    compute = problem.base_compute.copy()
+    h2d = problem.base_h2d.copy()
+    d2h = problem.base_d2h.copy()
+    at = need_times(problem, decisions.groups)
+    reasons = structural_problems(problem, decisions, at)
+    cpu_bytes = 0.0
+    options = []
+    mix = {"bytes_kept": 0, "bytes_offloaded": 0, "bytes_recomputed": 0, "bytes_weights_streamed": 0,
+           "bytes_states_streamed": 0, "recompute_seconds": 0.0}
+    for gi, g in enumerate(problem.groups):
+        oi = g.option(decisions.groups[gi], at[gi])
+        options.append(-1 if oi is None else oi)
+        if oi is None:
+            continue
+        opt = g.options[oi]
+        for first, last, b in opt.intervals:
+            diff[first] += b
+            diff[last + 1] -= b
+        if opt.extra:
+            diff[opt.at] += opt.extra
+            diff[opt.at + 1] -= opt.extra
+        if opt.compute is not None:
+            compute[opt.compute[0]] += opt.compute[1]
+            mix["recompute_seconds"] += opt.compute[1]
+        if opt.h2d is not None:
+            h2d[opt.h2d[0]] += opt.h2d[1]
+        if opt.d2h is not None:
+            d2h[opt.d2h[0]] += opt.d2h[1]
+        if opt.kind == OFFLOAD:
+            cpu_bytes += g.nbytes
+        mix[{KEEP: "bytes_kept", OFFLOAD: "bytes_offloaded", RECOMPUTE: "bytes_recomputed"}[opt.kind]] += g.nbytes
+    for ii, item in enumerate(problem.items):
+        if not decisions.cpu[ii]:
+            continue
+        for first, last, b in item.delta:
+            diff[first] += b
+            diff[last + 1] -= b
+        for k, b in item.h2d.items():
+            h2d[k] += b
+        for k, b in item.d2h.items():
+            d2h[k] += b
+        cpu_bytes += item.nbytes
+        key = "bytes_states_streamed" if item.kind == "optimizer_state" else "bytes_weights_streamed"
+        mix[key] += item.nbytes
+    profile = problem.base + np.cumsum(diff[:n])
+    peak_pos = int(np.argmax(profile)) if n else 0
+    peak = int(profile[peak_pos]) if n else 0
+    window_time = np.maximum(compute, np.maximum(h2d / problem.bw_h2d, d2h / problem.bw_d2h))
+    if peak > problem.cap:
+        reasons.append(f"peak {peak} bytes at position {peak_pos} exceeds the {problem.cap}-byte cap")
+    if cpu_bytes > problem.cpu_cap:
+        reasons.append(f"pinned CPU bytes {int(cpu_bytes)} exceed the CPU budget {int(problem.cpu_cap)}")
+    return Evaluation(feasible=not reasons, reason="; ".join(reasons[:3]), time=float(window_time.sum()),
+                      peak=peak, peak_pos=peak_pos, profile=profile, window_time=window_time, compute=compute,
+                      h2d=h2d, d2h=d2h, at=at, options=options, cpu_bytes=cpu_bytes, mix=mix)

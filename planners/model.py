@@ -1,0 +1,181 @@
+"""The planning problem: a TaskGraph in a fixed serial order, reduced to decisions with static effects.
+
+Decisions (shared by greedy, ILP and brute force; evaluated by memory.py):
+- per *group* (a forward vertex whose outputs are read by the backward pass): keep its saved
+  outputs, offload them (copy out in the production window, reload in the window before they
+  are needed again), or recompute the vertex (with the chain of cheap forward values it needs
+  that nothing saves) right before they are needed again;
+- per *item* (a parameter, or the optimizer states of one parameter): home on the GPU, or on the
+  CPU (streamed in the window before each use, updated values written back after the update).
+
+"Needed again" is the first backward use, pulled earlier when a recomputed vertex reads the
+group's outputs (chains): the need time of a group is min(first backward use, need times of
+the recomputed groups reading it). Every (kind, need time) pair is an *option* whose memory
+intervals and window loads are fixed, which keeps the ILP linear and lets a brute force
+enumerate exactly the same space.
+
+Positions are indices in the serial order; windows are runs of positions within which transfers
+overlap compute. Sizes are rounded up to the builder's alignment.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from turnip.memgraph.taskgraph import TaskGraph, ValueKind
+
+log = logging.getLogger(__name__)
+
+KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
+
+
+@dataclass
+class Option:
+    kind: str
+    at: int  # position from which the backward copy is present (-1 for keep)
+    intervals: list[tuple[int, int, int]]  # (first, last position, bytes) the saved outputs occupy
+    compute: tuple[int, float] | None = None  # (window, seconds) of recomputation
+    h2d: tuple[int, int] | None = None  # (window, bytes) reloaded
+    d2h: tuple[int, int] | None = None  # (window, bytes) offloaded
+    extra: int = 0  # bytes of the recompute chain's temporaries, at position `at`
+
+
+@dataclass
+class Group:
+    vertex: int
+    pos: int
+    saved: list[int]  # output value ids read after the forward pass
+    nbytes: int  # aligned bytes of the saved outputs
+    n0: int  # first non-forward use of any saved output
+    candidates: list[int] = field(default_factory=list)  # possible need times, ascending, n0 last
+    chain: list[int] = field(default_factory=list)  # unsaved forward producers recomputed with it
+    requires: list[int] = field(default_factory=list)  # groups whose outputs the recomputation reads
+    persistent: list[int] = field(default_factory=list)  # persistent values the recomputation reads
+    rc_time: float = 0.0
+    options: list[Option] = field(default_factory=list)
+    index: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, at) -> option
+
+    def option(self, kind: str, at: int) -> int | None:
+        return self.index.get((kind, -1 if kind == KEEP else at))
+
+
+@dataclass
+class Item:
+    name: str
+    kind: str  # "parameter" | "frozen" | "optimizer_state"
+    values: list[int]
+    nbytes: int  # pinned CPU bytes when homed there
+    delta: list[tuple[int, int, int]]  # memory intervals (CPU home minus GPU home), signed bytes
+    h2d: dict[int, int]  # window -> bytes fetched when homed on the CPU
+    d2h: dict[int, int]  # window -> bytes written back when homed on the CPU
+    need_windows: dict[int, set[int]]  # value -> windows it is present in when homed on the CPU
+
+
+@dataclass
+class Problem:
+    tg: TaskGraph
+    order: list[int]
+    pos: np.ndarray  # vertex id -> position
+    times: np.ndarray  # seconds per position
+    win_start: np.ndarray
+    win_end: np.ndarray  # inclusive
+    window_of: np.ndarray  # position -> window
+    base: np.ndarray  # bytes present at each position whatever the decisions
+    base_compute: np.ndarray  # seconds per window
+    base_h2d: np.ndarray
+    base_d2h: np.ndarray
+    groups: list[Group]
+    items: list[Item]
+    item_of: dict[int, int]  # persistent value -> item
+    required_by: list[list[int]]
+    cap: int  # bytes available to values at every position
+    cpu_cap: float  # pinned bytes available (inf when unbounded)
+    bw_h2d: float
+    bw_d2h: float
+    max_workspace: int
+    alignment: int
+    gpu_budget: int
+    headroom: float
+
+    @property
+    def n(self) -> int:
+        return len(self.order)
+
+    @property
+    def n_windows(self) -> int:
+        return len(self.win_start)
+
+
+# -- serial order --------------------------------------------------------------------------------
+
+def step_order(tg: TaskGraph) -> list[int]:
+    """Program order with each parameter's update moved right after its gradient is complete,
+    so gradients die at once and optimizer states are needed one parameter at a time."""
+    n = len(tg.vertices)
+    opt = [v.id for v in tg.vertices if v.phase == "optimizer"]
+    if not opt:
+        return list(range(n))
+    parent = {v: v for v in opt}
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    trigger = {v: -1 for v in opt}
+    for vid in opt:
+        for val in tg.vertices[vid].inputs():
+            prod = tg.values[val].producer
+            if prod < 0:
+                continue
+            if tg.vertices[prod].phase == "optimizer":
+                parent[find(vid)] = find(prod)
+            else:
+                trigger[vid] = max(trigger[vid], prod)
+    comp_trigger: dict[int, int] = defaultdict(lambda: -1)
+    for vid in opt:
+        root = find(vid)
+        comp_trigger[root] = max(comp_trigger[root], trigger[vid])
+    after: dict[int, list[int]] = defaultdict(list)
+    for vid in opt:
+        after[comp_trigger[find(vid)]].append(vid)
+    order = list(after.get(-1, []))
+    for vid in range(n):
+        if tg.vertices[vid].phase != "optimizer":
+            order.append(vid)
+            order.extend(after.get(vid, []))
+    if not _topological(tg, order):
+        log.warning("interleaved optimizer order is not topological; using program order")
+        return list(range(n))
+    return order
+
+
+def _topological(tg: TaskGraph, order: list[int]) -> bool:
+    seen = set()
+    for vid in order:
+        for val in tg.vertices[vid].inputs():
+            prod = tg.values[val].producer
+            if prod >= 0 and prod not in seen:
+                return False
+        seen.add(vid)
+    return len(seen) == len(tg.vertices)
+
+
+def make_windows(times: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut positions into about `count` runs of similar compute time."""
+    n = len(times)
+    count = max(1, min(count, n))
+    target = float(times.sum()) / count
+    starts, acc = [0], 0.0
+    for p in range(n):
+        acc += float(times[p])
+        if acc >= target * (len(starts)) and p + 1 < n and len(starts) < count:
+            starts.append(p + 1)
+    starts_arr = np.array(starts, dtype=np.int64)
+    ends = np.append(starts_arr[1:] - 1, n - 1)
+    return starts_arr, ends

@@ -1,0 +1,309 @@
+"""Build the planning Problem (model.py) from a TaskGraph with costs.
+
+Reads the graph once: who reads what at which position, which forward values the backward
+pass needs (groups), what a recomputation would have to re-run (chains) and which other groups
+it leans on, the possible need times of every group (candidates, bounded in depth so deep
+recompute chains stay out of the space), and the memory/transfer profile of every home.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from turnip.memgraph.taskgraph import TaskGraph, ValueKind
+from turnip.planners.model import (KEEP, OFFLOAD, RECOMPUTE, Group, Item, Option, Problem, make_windows,
+                                   step_order)
+
+log = logging.getLogger(__name__)
+
+_HOMED = (ValueKind.PARAMETER, ValueKind.FROZEN, ValueKind.OPTIMIZER_STATE)
+
+
+def default_windows(n: int) -> int:
+    # enough windows that a transfer overlaps only nearby compute, few enough for the ILP
+    return int(min(160, max(2, n // 8)))
+
+
+def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, *, bw_h2d: float,
+                  bw_d2h: float, headroom: float = 0.92, alignment: int = 256, windows: int | None = None,
+                  depth: int = 3, max_candidates: int = 6, max_chain: int = 8, max_items: int = 512,
+                  order: list[int] | None = None) -> Problem:
+    order = list(order) if order is not None else step_order(tg)
+    n = len(order)
+    pos = np.full(len(tg.vertices), -1, dtype=np.int64)
+    pos[order] = np.arange(n)
+    times = np.array([float(tg.vertices[v].time) for v in order], dtype=np.float64)
+    win_start, win_end = make_windows(times, windows or default_windows(n))
+    window_of = np.zeros(n, dtype=np.int64)
+    for k, (s, e) in enumerate(zip(win_start, win_end)):
+        window_of[s:e + 1] = k
+
+    def size(vid: int) -> int:
+        return -(-tg.values[vid].nbytes // alignment) * alignment
+
+    phase = [tg.vertices[v].phase for v in order]
+    readers: list[list[int]] = [[] for _ in tg.values]
+    for p, vid in enumerate(order):
+        for val in tg.vertices[vid].inputs():
+            readers[val].append(p)
+    step_outputs = set(tg.outputs.values())
+    targets = {dst: src for src, dst in tg.bindings.items()}
+
+    # -- classify forward values -------------------------------------------------------------
+    transient, saved_info, forced = set(), {}, set()  # saved_info: value -> (lastfwd, n0, last)
+    for val in tg.values:
+        if val.kind is not ValueKind.INTERMEDIATE or val.producer < 0:
+            continue
+        prod = int(pos[val.producer])
+        if phase[prod] != "forward":
+            continue
+        fwd = [p for p in readers[val.id] if phase[p] == "forward"]
+        later = [p for p in readers[val.id] if phase[p] != "forward"]
+        lastfwd = max(fwd, default=prod)
+        if not later and val.id not in step_outputs and val.id not in targets:
+            transient.add(val.id)
+        elif val.id in step_outputs or val.id in targets or not later or min(later) <= lastfwd:
+            forced.add(val.id)
+        else:
+            saved_info[val.id] = (lastfwd, min(later), max(later))
+    group_vertices = {}
+    for vid in order:
+        vertex = tg.vertices[vid]
+        outs = [o for o in vertex.outputs if o >= 0]
+        if vertex.phase != "forward" or not any(o in saved_info for o in outs):
+            continue
+        if any(o in forced for o in outs):  # e.g. the loss: keep every saved output of its vertex
+            forced.update(o for o in outs if o in saved_info)
+            continue
+        group_vertices[vid] = [o for o in outs if o in saved_info]
+    for o in list(saved_info):
+        if o in forced:
+            del saved_info[o]
+
+    groups: list[Group] = []
+    group_of_value: dict[int, int] = {}
+    for vid, saved in group_vertices.items():
+        g = Group(vertex=vid, pos=int(pos[vid]), saved=saved, nbytes=sum(size(o) for o in saved),
+                  n0=min(saved_info[o][1] for o in saved))
+        for o in saved:
+            group_of_value[o] = len(groups)
+        groups.append(g)
+    group_vertex_set = set(group_vertices)
+
+    # -- recompute chains ----------------------------------------------------------------------
+    anchors: dict[int, list[int]] = {}  # group -> forced-keep values its recomputation reads
+    batch_reads: dict[int, list[int]] = {}
+    recomputable = []
+    for gi, g in enumerate(groups):
+        chain, requires, persistent, anchor, batch = set(), set(), set(), set(), set()
+        ok, stack = True, [g.vertex]
+        while stack and ok:
+            x = stack.pop()
+            for u in tg.vertices[x].inputs():
+                val = tg.values[u]
+                if val.kind in _HOMED:
+                    persistent.add(u)
+                elif val.kind is ValueKind.BATCH:
+                    batch.add(u)
+                elif val.kind is ValueKind.CONSTANT:
+                    pass
+                elif u in group_of_value:
+                    requires.add(group_of_value[u])
+                elif u in forced:
+                    anchor.add(u)
+                elif u in transient and val.producer not in group_vertex_set:
+                    if val.producer not in chain:
+                        chain.add(val.producer)
+                        stack.append(val.producer)
+                else:
+                    ok = False  # an unsaved output of a saved vertex, or a backward value
+                    break
+        ok = ok and len(chain) <= max_chain
+        recomputable.append(ok)
+        if ok:
+            g.chain = sorted(chain)
+            g.requires = sorted(requires - {gi})
+            g.persistent = sorted(persistent)
+            g.rc_time = float(tg.vertices[g.vertex].time + sum(tg.vertices[c].time for c in chain))
+            anchors[gi] = sorted(anchor)
+            batch_reads[gi] = sorted(batch)
+    required_by: list[list[int]] = [[] for _ in groups]
+    for hi, h in enumerate(groups):
+        for gi in h.requires:
+            required_by[gi].append(hi)
+
+    last_of = {o: saved_info[o][2] for o in saved_info}
+
+    def last_use(vid: int) -> int:
+        return readers[vid][-1] if readers[vid] else -1
+
+    def valid_recompute(hi: int, c: int) -> bool:
+        if not recomputable[hi]:
+            return False
+        h = groups[hi]
+        if any(c > min(last_of[o] for o in groups[gi].saved) for gi in h.requires):
+            return False  # a group it reads is gone by then
+        return all(c <= last_use(a) for a in anchors[hi])
+
+    # -- candidate need times, from the latest group back --------------------------------------
+    rc_valid: dict[int, list[tuple[int, int]]] = {}
+    for gi in sorted(range(len(groups)), key=lambda i: -groups[i].pos):
+        g = groups[gi]
+        cand = {g.n0: 0}
+        for hi in required_by[gi]:
+            for c, d in rc_valid.get(hi, []):
+                if c < g.n0 and d + 1 <= depth:
+                    cand[c] = min(cand.get(c, depth + 1), d + 1)
+        keep = sorted(cand.items(), key=lambda cd: (cd[1], -cd[0]))[:max_candidates]
+        g.candidates = sorted(c for c, _ in keep)
+        rc_valid[gi] = [(c, d) for c, d in keep if valid_recompute(gi, c)]
+
+    # -- options ---------------------------------------------------------------------------------
+    for gi, g in enumerate(groups):
+        wp = int(window_of[g.pos])
+        spans = [(saved_info[o][0], saved_info[o][2], size(o)) for o in g.saved]  # (lastfwd, last, bytes)
+        extra = sum(size(o) for c in g.chain for o in tg.vertices[c].outputs if o >= 0) + \
+            sum(size(o) for o in tg.vertices[g.vertex].outputs if o >= 0 and o not in g.saved)
+        g.options.append(Option(KEEP, -1, [(g.pos, last, b) for _, last, b in spans]))
+        for c in g.candidates:
+            wc = int(window_of[c])
+            if wc - 1 > wp:  # reload in the window before; the offload finished in the production window
+                fetch = int(win_start[wc - 1])
+                ivs = []
+                for lastfwd, last, b in spans:
+                    ivs.extend(_union(g.pos, max(lastfwd, int(win_end[wp])), fetch, last, b))
+                g.options.append(Option(OFFLOAD, c, ivs, h2d=(wc - 1, g.nbytes), d2h=(wp, g.nbytes)))
+            if any(c == cc for cc, _ in rc_valid[gi]):
+                ivs = []
+                for lastfwd, last, b in spans:
+                    ivs.extend(_union(g.pos, lastfwd, c, last, b))
+                g.options.append(Option(RECOMPUTE, c, ivs, compute=(wc, g.rc_time), extra=extra))
+        g.index = {(o.kind, o.at): i for i, o in enumerate(g.options)}
+
+    # -- fixed memory ------------------------------------------------------------------------------
+    diff = np.zeros(n + 1, dtype=np.int64)
+
+    def add(first: int, last: int, b: int) -> None:
+        diff[first] += b
+        diff[last + 1] -= b
+
+    batch_last: dict[int, int] = {}
+    for gi, reads in batch_reads.items():
+        for u in reads:
+            top = max((c for c, _ in rc_valid.get(gi, [])), default=-1)
+            batch_last[u] = max(batch_last.get(u, -1), top)
+    base_h2d = np.zeros(len(win_start), dtype=np.float64)
+    homed = []
+    for val in tg.values:
+        vid = val.id
+        if val.kind in _HOMED:
+            homed.append(vid)
+        elif val.kind is ValueKind.CONSTANT:
+            add(0, n - 1, size(vid))
+        elif val.kind is ValueKind.BATCH:
+            add(0, max(last_use(vid), batch_last.get(vid, -1), 0), size(vid))
+            base_h2d[0] += size(vid)
+        elif vid in saved_info or (vid in targets and tg.values[targets[vid]].kind in _HOMED):
+            continue  # a group's saved output or an updated home value: decided below
+        elif val.producer >= 0:
+            prod = int(pos[val.producer])
+            end = n - 1 if vid in step_outputs else max(prod, last_use(vid))
+            add(prod, end, size(vid))
+
+    items = _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, size, add, max_items)
+    item_of = {v: i for i, item in enumerate(items) for v in item.values}
+    base = np.cumsum(diff[:n])
+
+    base_compute = np.zeros(len(win_start), dtype=np.float64)
+    np.add.at(base_compute, window_of, times)
+    max_ws = max((-(-tg.vertices[v].workspace // alignment) * alignment for v in order), default=0)
+    cap = int(math.floor(headroom * (gpu_budget - max_ws)))
+    problem = Problem(tg=tg, order=order, pos=pos, times=times, win_start=win_start, win_end=win_end,
+                      window_of=window_of, base=base, base_compute=base_compute, base_h2d=base_h2d,
+                      base_d2h=np.zeros(len(win_start)), groups=groups, items=items, item_of=item_of,
+                      required_by=required_by, cap=cap,
+                      cpu_cap=float("inf") if cpu_budget is None else float(cpu_budget),
+                      bw_h2d=float(bw_h2d), bw_d2h=float(bw_d2h), max_workspace=max_ws, alignment=alignment,
+                      gpu_budget=int(gpu_budget), headroom=headroom)
+    log.info("problem: %d positions, %d windows, %d groups (%d options), %d home items, cap %d bytes",
+             n, len(win_start), len(groups), sum(len(g.options) for g in groups), len(items), cap)
+    return problem
+
+
+def _union(a0: int, a1: int, b0: int, b1: int, b: int) -> list[tuple[int, int, int]]:
+    """Intervals [a0, a1] and [b0, b1] (a0 <= b0) as disjoint pieces."""
+    if b0 <= a1 + 1:
+        return [(a0, max(a1, b1), b)]
+    return [(a0, a1, b), (b0, b1, b)]
+
+
+def _item_key(tg: TaskGraph, vid: int, level: int) -> str:
+    val = tg.values[vid]
+    name = val.name
+    if not name:
+        return f"{val.kind.value}:{vid}"
+    prefix, _, path = name.partition(":")
+    if val.kind is ValueKind.OPTIMIZER_STATE and prefix == "opt":
+        prefix, path = "state", path.rpartition(".")[0]  # all states of one parameter move together
+    for _ in range(level):  # coarser: by module, then by parent module
+        path = path.rpartition(".")[0] or path
+    return f"{prefix}:{path}"
+
+
+def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, size, add, max_items) -> list[Item]:
+    inverse = {src: dst for dst, src in targets.items()}
+    level, keys = 0, None
+    while True:
+        keys = {v: _item_key(tg, v, level) for v in homed}
+        if len(set(keys.values())) <= max_items or level >= 4:
+            break
+        level += 1
+    by_key: dict[str, list[int]] = {}
+    for v in homed:
+        by_key.setdefault(keys[v], []).append(v)
+    items = []
+    for key, values in by_key.items():
+        delta, h2d, d2h, need = [], {}, {}, {}
+        nbytes = 0
+        for w in values:
+            b = size(w)
+            nbytes += b
+            add(0, n - 1, b)  # GPU home: resident the whole step (the CPU home subtracts via delta)
+            delta.append((0, n - 1, -b))
+            wins = sorted({int(window_of[p]) for p in readers[w]})
+            present = set()
+            for k in wins:
+                present.update((k - 1, k) if k > 0 else (k,))
+            need[w] = present
+            for first, last in _runs(sorted(present)):
+                delta.append((int(win_start[first]), int(win_end[last]), b))
+                h2d[first] = h2d.get(first, 0) + b
+            u = inverse.get(w)
+            if u is None:
+                continue
+            bu = size(u)
+            p_u = int(pos[tg.values[u].producer])
+            own_last = readers[u][-1] if readers[u] else p_u
+            old_last = readers[w][-1] if readers[w] else p_u
+            gpu_end = max(p_u, own_last, old_last)  # copied into its home once the old value is dead
+            cpu_end = max(own_last, int(win_end[window_of[p_u]]))  # written back within its window
+            add(p_u, gpu_end, bu)
+            delta.append((p_u, gpu_end, -bu))
+            delta.append((p_u, cpu_end, bu))
+            d2h[int(window_of[p_u])] = d2h.get(int(window_of[p_u]), 0) + bu
+        items.append(Item(name=key, kind=tg.values[values[0]].kind.value, values=values, nbytes=nbytes,
+                          delta=delta, h2d=h2d, d2h=d2h, need_windows=need))
+    return items
+
+
+def _runs(sorted_windows: list[int]) -> list[tuple[int, int]]:
+    runs = []
+    for k in sorted_windows:
+        if runs and runs[-1][1] == k - 1:
+            runs[-1] = (runs[-1][0], k)
+        else:
+            runs.append((k, k))
+    return runs
