@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 import weakref
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 # Fill a fresh arena with 0xFF bytes: floats read as NaN, integers as -1, so a
 # vertex that reads bytes nobody wrote (a missing dependency) shows up at once.
 POISON = 0xFF
+FUZZ_DELAY_S = 200e-6  # upper bound of the random delay a worker adds per vertex under random ordering
 
 
 class Lane:
@@ -113,7 +115,17 @@ class CpuRuntime(Runtime):
             stream, dev = self.graph.keys[item.key]
             lane = Lane(f"turnip-cpu{dev}-{stream.value}-{item.instance}")
             self._lanes[(item.key, item.instance)] = lane
-        lane.queue.put((self.execute, item.vertex, notify))
+        work = self.execute
+        if self.fuzz_seed is not None:
+            # random priorities only reorder vertices that are ready together; random delays
+            # also change which finish first, so a missing edge shows up as a race
+            delay = random.Random(hash((self.fuzz_seed, item.vertex))).random() * FUZZ_DELAY_S
+
+            def work(vid, _run=self.execute, _delay=delay):
+                time.sleep(_delay)
+                _run(vid)
+
+        lane.queue.put((work, item.vertex, notify))
 
     def close(self) -> None:
         self._finalizer()

@@ -99,6 +99,8 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
                               WorkspacePool(runtime.workspace_capacity))
         step = runtime.step + 1
         records: list[Record] = []
+        # fuzzing: random orders also get random worker delays where a backend supports them
+        runtime.fuzz_seed = getattr(policy, "seed", None) if policy.name == "random" else None
         runtime.begin_step(mg, leaves, step)
         completions = runtime.completion_source()
         notify = completions.put

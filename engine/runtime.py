@@ -67,6 +67,7 @@ class Runtime:
         self.storage: torch.Tensor | None = None
         self._views: dict[tuple, torch.Tensor] = {}
         self._prepared: dict[int, object] = {}
+        self.fuzz_seed: int | None = None  # set per step by engine.run for random orderings
         self._ranks: dict[str, list[int]] = {}
         self.last_records: list = []  # Record of the last step (for traces and tests)
         self.last_launch_order: list[int] = []

@@ -364,8 +364,12 @@ class _Builder:
         mg = self.mg
         n = len(mg.vertices)
         kept, dropped = reduce_memory_edges(n, self.data, self.memory)
-        mg.edges = sorted([(s, d, Edge.DATA) for s, d in self.data] + [(s, d, Edge.MEMORY) for s, d in kept],
-                          key=lambda e: (e[1], e[0]))
+        # edges sorted by (destination, source), packed into ints so the sort is cheap
+        packed = [(d * n + s) * 2 for s, d in self.data]
+        packed.extend((d * n + s) * 2 + 1 for s, d in kept)
+        packed.sort()
+        kinds = (Edge.DATA, Edge.MEMORY)
+        mg.edges = [((k >> 1) % n, (k >> 1) // n, kinds[k & 1]) for k in packed]
         mg.serial = list(range(n))
         mg.arena_bytes = max(self.gpu.high, self.sched.home_bytes)
         mg.cpu_bytes = self.cpu_alloc.high

@@ -2,21 +2,23 @@
 
 A memory edge u -> w is redundant when u is an ancestor of another
 predecessor of w: the partial order, hence every order the engine may pick,
-is unchanged without it. Full transitive reduction is quadratic; here each
-vertex gets a small backward search from its other predecessors, pruned to
-vertices after the oldest memory predecessor (edges go forward in the
-serial order, so nothing older can lead back to it). Found redundancies are
-exact; redundancies the budget misses are simply kept. Data edges are never
-dropped: they name where each input comes from.
+is unchanged without it. Full transitive reduction is quadratic; here
+ancestry is proven two cheap ways:
+- interval labels of a spanning tree (each vertex's latest predecessor is
+  its tree parent, so the long chains of a training step are tree paths):
+  "u is a tree ancestor of x" is an O(1) test;
+- a small backward search from w's other predecessors, pruned to vertices
+  after the oldest candidate (edges go forward in serial order).
+What is proven is exact; what the budget misses is kept. Removing an implied
+edge keeps the transitive closure, so later tests stay valid. Data edges are
+never dropped: they say where each input comes from.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 
 def reduce_memory_edges(n: int, data: set[tuple[int, int]], memory: set[tuple[int, int]],
-                        budget: int = 48) -> tuple[set[tuple[int, int]], int]:
+                        budget: int = 12) -> tuple[set[tuple[int, int]], int]:
     """Vertices are numbered in serial order (every edge goes from a smaller id to a larger one).
     Return (memory edges kept, number dropped); memory edges duplicating a data edge count as dropped."""
     preds: list[list[int]] = [[] for _ in range(n)]
@@ -30,33 +32,88 @@ def reduce_memory_edges(n: int, data: set[tuple[int, int]], memory: set[tuple[in
             continue
         mem_in[d].append(s)
         preds[d].append(s)
+    enter, leave = _tree_intervals(n, preds)
+
     kept: set[tuple[int, int]] = set()
     for w in range(n):
         mine = mem_in[w]
         if not mine:
             continue
-        if len(preds[w]) > 1:
-            lo = min(mine)
-            seen: set[int] = set()
-            queue: deque[int] = deque()
-            for p in preds[w]:
-                for q in preds[p]:
-                    if q >= lo and q not in seen:
-                        seen.add(q)
-                        queue.append(q)
-            steps = 0
-            targets = set(mine)
-            while queue and steps < budget and not targets <= seen:
-                x = queue.popleft()
-                steps += 1
-                for q in preds[x]:
-                    if q >= lo and q not in seen:
-                        seen.add(q)
-                        queue.append(q)
-            redundant = targets & seen
+        ps = preds[w]
+        if len(ps) > 1:
+            redundant = set()
+            for u in mine:  # u reaches another predecessor through tree edges?
+                eu, lu = enter[u], leave[u]
+                for p in ps:
+                    if p != u and eu < enter[p] and leave[p] <= lu:
+                        redundant.add(u)
+                        break
+            rest = [u for u in mine if u not in redundant]
+            if rest:
+                redundant |= _search(rest, ps, preds, enter, leave, budget)
             if redundant:
                 dropped += len(redundant)
-                preds[w] = [p for p in preds[w] if p not in redundant]
+                preds[w] = [p for p in ps if p not in redundant]
                 mine = [u for u in mine if u not in redundant]
         kept.update((u, w) for u in mine)
     return kept, dropped
+
+
+def _search(targets: list[int], ps: list[int], preds: list[list[int]], enter: list[int], leave: list[int],
+            budget: int) -> set[int]:
+    """Targets that are ancestors of some vertex reached backward from ps (a bounded search)."""
+    lo = min(targets)
+    found: set[int] = set()
+    seen: set[int] = set()
+    stack = []
+    for p in ps:
+        for q in preds[p]:
+            if q >= lo and q not in seen:
+                seen.add(q)
+                stack.append(q)
+    steps = 0
+    while stack and steps < budget:
+        x = stack.pop()
+        steps += 1
+        ex, lx = enter[x], leave[x]
+        for u in targets:
+            if u == x or (enter[u] < ex and lx <= leave[u]):
+                found.add(u)
+        if len(found) == len(targets):
+            break
+        for q in preds[x]:
+            if q >= lo and q not in seen:
+                seen.add(q)
+                stack.append(q)
+    return found
+
+
+def _tree_intervals(n: int, preds: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Pre/post numbers of the spanning forest where each vertex hangs under its latest predecessor:
+    x is a tree descendant of u iff enter[u] < enter[x] and leave[x] <= leave[u]."""
+    children: list[list[int]] = [[] for _ in range(n)]
+    roots = []
+    for v in range(n):
+        if preds[v]:
+            children[max(preds[v])].append(v)
+        else:
+            roots.append(v)
+    enter = [0] * n
+    leave = [0] * n
+    clock = 0
+    for root in roots:
+        stack = [(root, 0)]
+        enter[root] = clock
+        clock += 1
+        while stack:
+            v, k = stack[-1]
+            if k < len(children[v]):
+                stack[-1] = (v, k + 1)
+                c = children[v][k]
+                enter[c] = clock
+                clock += 1
+                stack.append((c, 0))
+            else:
+                stack.pop()
+                leave[v] = clock
+    return enter, leave

@@ -57,6 +57,21 @@ def test_lora_frozen_parameters_get_no_gradient_or_state():
     assert len(tg.inputs_of_kind(ValueKind.OPTIMIZER_STATE)) == 2 * len(params)
 
 
+def test_autocast_traces_to_explicit_casts_bitwise():
+    model, loss_fn, batches = make_case("gpt", dropout=0.1)
+
+    def mixed_loss(m, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss_fn(m, batch)
+
+    want_losses, want_state = eager_steps(model, mixed_loss, batches, OPTIMIZERS["adamw"])
+    tg, losses, state = reference_steps(model, mixed_loss, batches, OPTIMIZERS["adamw"])
+    assert tg.summary()["ops"].get("aten::_to_copy", 0) > 0
+    assert any(tg.values[o].dtype == torch.bfloat16 for v in tg.vertices for o in v.outputs if o >= 0)
+    assert [x.item() for x in losses] == [x.item() for x in want_losses]
+    assert_same_state(state, want_state)
+
+
 def test_views_are_folded_and_graph_is_in_program_order():
     model, loss_fn, batches = make_case("gpt")
     tg = memgraph.trace(model, loss_fn, batches[0], optimizer=OPTIMIZERS["adam"](model.parameters()))

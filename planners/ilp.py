@@ -1,0 +1,214 @@
+"""The ILP: memory.py's cost model as a mixed-integer program over the option space of model.py.
+
+Variables
+  x[g, o]  binary, group g takes option o (keep, or offload/recompute with a given need time)
+  y[i]     binary, item i (a parameter, or one parameter's optimizer states) is homed on the CPU
+  T[k]     seconds of window k (>= its compute, >= its transfers in each direction)
+  M[j]     bytes the decisions add to memory over segment j of positions (a running sum, so
+           every interval touches two rows instead of every position it covers)
+Constraints
+  one option per group; base + M[j] <= cap on every segment; pinned bytes <= CPU budget;
+  a recomputation at position c needs every group it reads present at c (need-time chains), and
+  a group's need time is exactly the earliest demand (so the ILP and memory.evaluate agree);
+  a recomputation may not read a CPU-homed weight outside the windows it is streamed in.
+Objective
+  sum of T[k] (recompute time lands in the windows' compute).
+
+The formulation is plain arrays (``Formulation``); ``solve`` hands it to PuLP (HiGHS via highspy
+when available, else CBC) with the greedy plan as a warm start; ilp_decode.py turns a solution
+back into Decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Problem
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Formulation:
+    names: list[str] = field(default_factory=list)
+    lb: list[float] = field(default_factory=list)
+    ub: list[float | None] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    obj: list[float] = field(default_factory=list)
+    rows: list[tuple[dict[int, float], float | None, float | None]] = field(default_factory=list)
+    row_names: list[str] = field(default_factory=list)
+    x: dict[tuple[int, int], int] = field(default_factory=dict)  # (group, option) -> column
+    y: dict[int, int] = field(default_factory=dict)  # item -> column
+    T: list[int] = field(default_factory=list)  # window -> column
+    M: list[int] = field(default_factory=list)  # segment -> column
+    seg_start: list[int] = field(default_factory=list)  # first position of each segment
+    seg_terms: list[dict[int, float]] = field(default_factory=list)  # segment -> change of M (scaled bytes)
+    byte_unit: float = 1.0
+    time_unit: float = 1e-3  # objective in milliseconds
+
+    def col(self, name: str, lb: float = 0.0, ub: float | None = None, integer: bool = False, obj: float = 0.0) -> int:
+        self.names.append(name)
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.integer.append(integer)
+        self.obj.append(obj)
+        return len(self.names) - 1
+
+    def row(self, name: str, coefs: dict[int, float], lo: float | None = None, hi: float | None = None) -> None:
+        self.rows.append(({c: v for c, v in coefs.items() if v != 0}, lo, hi))
+        self.row_names.append(name)
+
+    @property
+    def n_binaries(self) -> int:
+        return sum(self.integer)
+
+
+def _byte_unit(problem: Problem) -> float:
+    """A power-of-two multiple of the alignment that keeps row values near 1e6 at most: every
+    byte count is a multiple of the alignment, so half an alignment of slack absorbs the solver's
+    tolerance without admitting a plan that overflows by a real byte."""
+    a = max(1, problem.alignment)
+    scale = max(problem.cap, int(problem.base.max()) if problem.n else 1, 1) / (a * 1e6)
+    return float(a * 2 ** max(0, math.ceil(math.log2(scale)))) if scale > 1 else float(a)
+
+
+def formulate(problem: Problem) -> Formulation:
+    f = Formulation()
+    f.byte_unit = bu = _byte_unit(problem)
+    tu = f.time_unit
+    half = max(1, problem.alignment) / 2 / bu
+    groups, items = problem.groups, problem.items
+
+    for gi, g in enumerate(groups):
+        for oi, opt in enumerate(g.options):
+            f.x[gi, oi] = f.col(f"x_{gi}_{oi}", 0, 1, True)
+        f.row(f"one_{gi}", {f.x[gi, oi]: 1.0 for oi in range(len(g.options))}, 1.0, 1.0)
+    for ii, item in enumerate(items):
+        f.y[ii] = f.col(f"y_{ii}", 0, 1, True)
+
+    # -- window times ---------------------------------------------------------------------------
+    comp = [defaultdict(float) for _ in range(problem.n_windows)]
+    up = [defaultdict(float) for _ in range(problem.n_windows)]
+    down = [defaultdict(float) for _ in range(problem.n_windows)]
+    for gi, g in enumerate(groups):
+        for oi, opt in enumerate(g.options):
+            col = f.x[gi, oi]
+            if opt.compute is not None:
+                comp[opt.compute[0]][col] += opt.compute[1]
+            if opt.h2d is not None:
+                up[opt.h2d[0]][col] += opt.h2d[1]
+            if opt.d2h is not None:
+                down[opt.d2h[0]][col] += opt.d2h[1]
+    for ii, item in enumerate(items):
+        for k, b in item.h2d.items():
+            up[k][f.y[ii]] += b
+        for k, b in item.d2h.items():
+            down[k][f.y[ii]] += b
+    for k in range(problem.n_windows):
+        t = f.col(f"T_{k}", 0.0, None, False, 1.0)
+        f.T.append(t)
+        for what, terms, const, scale in (("compute", comp[k], problem.base_compute[k], 1.0),
+                                          ("h2d", up[k], problem.base_h2d[k], 1.0 / problem.bw_h2d),
+                                          ("d2h", down[k], problem.base_d2h[k], 1.0 / problem.bw_d2h)):
+            coefs = {c: -v * scale / tu for c, v in terms.items()}
+            coefs[t] = 1.0
+            f.row(f"T_{k}_{what}", coefs, float(const) * scale / tu, None)
+
+    # -- memory: running sum over segments between events ------------------------------------
+    events: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+
+    def interval(first: int, last: int, b: float, col: int) -> None:
+        events[first][col] += b / bu
+        if last + 1 < problem.n:
+            events[last + 1][col] -= b / bu
+
+    for gi, g in enumerate(groups):
+        for oi, opt in enumerate(g.options):
+            for first, last, b in opt.intervals:
+                interval(first, last, b, f.x[gi, oi])
+            if opt.extra:
+                interval(opt.at, opt.at, opt.extra, f.x[gi, oi])
+    for ii, item in enumerate(items):
+        for first, last, b in item.delta:
+            interval(first, last, b, f.y[ii])
+    starts = sorted(set(events) | {0})
+    bounds = starts[1:] + [problem.n]
+    cap_rhs = (problem.cap // max(1, problem.alignment)) * max(1, problem.alignment) / bu + half
+    prev = None
+    for j, (s, e) in enumerate(zip(starts, bounds)):
+        m = f.col(f"M_{j}", None, None)
+        f.M.append(m)
+        f.seg_start.append(s)
+        delta = dict(events.get(s, {}))
+        f.seg_terms.append(delta)
+        coefs = {c: -v for c, v in delta.items()}
+        coefs[m] = 1.0
+        if prev is not None:
+            coefs[prev] = -1.0
+        f.row(f"flow_{j}", coefs, 0.0, 0.0)
+        base_max = float(problem.base[s:e].max()) / bu
+        f.row(f"mem_{j}", {m: 1.0}, None, cap_rhs - base_max)
+        prev = m
+
+    # -- pinned CPU bytes ------------------------------------------------------------------------
+    if math.isfinite(problem.cpu_cap):
+        coefs = {f.y[ii]: item.nbytes / bu for ii, item in enumerate(items)}
+        for gi, g in enumerate(groups):
+            for oi, opt in enumerate(g.options):
+                if opt.kind == OFFLOAD:
+                    coefs[f.x[gi, oi]] = g.nbytes / bu
+        f.row("cpu", coefs, None, problem.cpu_cap / bu + half)
+
+    # -- need-time chains --------------------------------------------------------------------------
+    for hi, h in enumerate(groups):
+        for oi, opt in enumerate(h.options):
+            if opt.kind != RECOMPUTE:
+                continue
+            c = opt.at
+            for gi in h.requires:  # every group it reads is present at c
+                g = groups[gi]
+                coefs = {f.x[hi, oi]: 1.0}
+                for oj, gopt in enumerate(g.options):
+                    if gopt.kind == KEEP or gopt.at <= c:
+                        coefs[f.x[gi, oj]] = -1.0
+                f.row(f"need_{hi}_{c}_{gi}", coefs, None, 0.0)
+            k = int(problem.window_of[c])
+            for w in h.persistent:  # a CPU-homed weight must be streamed in there anyway
+                ii = problem.item_of[w]
+                if k not in items[ii].need_windows[w]:
+                    f.row(f"home_{hi}_{c}_{ii}", {f.x[hi, oi]: 1.0, f.y[ii]: 1.0}, None, 1.0)
+    for gi, g in enumerate(groups):  # need time == earliest demand, not earlier
+        for oj, gopt in enumerate(g.options):
+            if gopt.kind == KEEP or gopt.at >= g.n0:
+                continue
+            coefs = {f.x[gi, oj]: 1.0}
+            for hi in problem.required_by[gi]:
+                oi = groups[hi].option(RECOMPUTE, gopt.at)
+                if oi is not None:
+                    coefs[f.x[hi, oi]] = -1.0
+            f.row(f"exact_{gi}_{oj}", coefs, None, 0.0)
+    log.info("ILP: %d columns (%d binary), %d rows, %d memory segments", len(f.names), f.n_binaries,
+             len(f.rows), len(f.M))
+    return f
+
+
+def start_values(problem: Problem, f: Formulation, options: list[int], cpu: list[bool],
+                 window_time: np.ndarray) -> list[float]:
+    """A complete assignment of every column for given option indices and homes (warm start)."""
+    vals = [0.0] * len(f.names)
+    for gi, oi in enumerate(options):
+        vals[f.x[gi, oi]] = 1.0
+    for ii, flag in enumerate(cpu):
+        vals[f.y[ii]] = 1.0 if flag else 0.0
+    for k, t in enumerate(f.T):
+        vals[t] = float(window_time[k]) / f.time_unit
+    running = 0.0
+    for j, m in enumerate(f.M):
+        running += sum(v * vals[c] for c, v in f.seg_terms[j].items())
+        vals[m] = running
+    return vals

@@ -1,0 +1,156 @@
+"""Hand a Formulation to PuLP and read the answer back: HiGHS through highspy when available
+(pulp.HiGHS, no binary needed), else CBC. Works with PuLP 3.x and 4.x: variables come from
+``prob.add_variable`` where it exists, expressions from (variable, coefficient) lists, and the
+warm start goes through PuLP 4's ``warmStart`` or, on PuLP 3, through highspy's setSolution.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+
+import pulp
+
+from turnip.planners.ilp import Formulation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SolveResult:
+    values: list[float] | None  # None: no solution found
+    status: str  # solver's words: "Optimal", "Time limit reached", "Infeasible", ...
+    optimal: bool
+    objective: float | None = None
+    bound: float | None = None
+    gap: float | None = None  # relative
+    seconds: float = 0.0
+    solver: str = ""
+    stats: dict = field(default_factory=dict)
+
+
+def _expr(pairs: list[tuple[pulp.LpVariable, float]]):
+    if hasattr(pulp.LpAffineExpression, "from_list"):  # PuLP 4
+        return pulp.LpAffineExpression.from_list(pairs)
+    return pulp.LpAffineExpression(pairs)
+
+
+def _variable(prob: pulp.LpProblem, name: str, lb, ub, integer: bool) -> pulp.LpVariable:
+    cat = pulp.LpInteger if integer else pulp.LpContinuous
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, lb, ub, cat=cat)
+    return pulp.LpVariable(name, lb, ub, cat)
+
+
+def _highs_class():
+    base = getattr(pulp, "HiGHS", None)
+    if base is None:
+        return None
+    try:
+        if not base(msg=False).available():
+            return None
+    except Exception:  # noqa: BLE001 - a broken install reads as "not available"
+        return None
+    native_warm = "warmStart" in inspect.signature(base.__init__).parameters
+
+    class WarmHiGHS(base):
+        """pulp.HiGHS that keeps highspy's info and, on PuLP 3, sets the start itself."""
+
+        def __init__(self, warm: bool, **kwargs):
+            if native_warm and warm:
+                kwargs["warmStart"] = True
+            super().__init__(**kwargs)
+            self._own_warm = warm and not native_warm
+            self.info = None
+            self.model_status = ""
+
+        def callSolver(self, lp):  # noqa: N802 - PuLP's name
+            model = lp.solverModel
+            if self._own_warm:
+                cols = [(v.index, v.varValue) for v in lp.variables() if v.varValue is not None]
+                if cols:
+                    idx, vals = zip(*cols)
+                    model.setSolution(len(idx), list(idx), list(vals))
+            super().callSolver(lp)
+            self.info = model.getInfo()
+            self.model_status = model.modelStatusToString(model.getModelStatus())
+
+    return WarmHiGHS
+
+
+def _cbc(time_limit: float, gap: float, warm: bool, msg: bool):
+    for name in ("COIN_CMD", "PULP_CBC_CMD"):
+        cls = getattr(pulp, name, None)
+        if cls is None:
+            continue
+        try:
+            solver = cls(msg=msg, timeLimit=time_limit, gapRel=gap, warmStart=warm)
+        except TypeError:
+            continue
+        if solver.available():
+            return solver
+    return None
+
+
+def solve(f: Formulation, start: list[float] | None = None, time_limit: float = 30.0, gap: float = 1e-4,
+          msg: bool = False, solver: str = "auto", threads: int | None = None) -> SolveResult:
+    built = time.perf_counter()
+    prob = pulp.LpProblem("turnip_plan", pulp.LpMinimize)
+    cols = [_variable(prob, name, lb, ub, integer)
+            for name, lb, ub, integer in zip(f.names, f.lb, f.ub, f.integer)]
+    prob.setObjective(_expr([(cols[j], c) for j, c in enumerate(f.obj) if c]))
+    for name, (coefs, lo, hi) in zip(f.row_names, f.rows):
+        expr = _expr([(cols[j], v) for j, v in coefs.items()])
+        if lo is not None and hi is not None and lo == hi:
+            prob += (expr == lo, name)
+            continue
+        if lo is not None:
+            prob += (expr >= lo, name)
+        if hi is not None:
+            prob += (expr <= hi, name if lo is None else name + "_hi")
+    if start is not None:
+        for var, val in zip(cols, start):
+            var.setInitialValue(val, check=False) if _takes_check() else var.setInitialValue(val)
+    build_seconds = time.perf_counter() - built
+
+    highs = _highs_class() if solver in ("auto", "highs") else None
+    if highs is not None:
+        kwargs = dict(msg=msg, timeLimit=time_limit, gapRel=gap)
+        if threads:
+            kwargs["threads"] = threads
+        engine = highs(warm=start is not None, **kwargs)
+        name = "HiGHS (highspy)"
+    else:
+        engine = _cbc(time_limit, gap, start is not None, msg)
+        name = "CBC"
+        if engine is None:
+            raise RuntimeError("no MILP solver available: install highspy (pip install highspy) or CBC")
+    started = time.perf_counter()
+    prob.solve(engine)
+    seconds = time.perf_counter() - started
+    has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible) and \
+        all(v.varValue is not None for v in cols)
+    status = getattr(engine, "model_status", "") or pulp.LpStatus.get(prob.status, str(prob.status))
+    result = SolveResult(values=[float(v.varValue) for v in cols] if has_solution else None, status=status,
+                         optimal=prob.sol_status == pulp.LpSolutionOptimal, seconds=seconds, solver=name,
+                         stats={"build_seconds": build_seconds})
+    info = getattr(engine, "info", None)
+    if info is not None and has_solution:
+        result.objective = float(info.objective_function_value)
+        result.bound = float(info.mip_dual_bound)
+        result.gap = float(info.mip_gap)
+        result.stats["nodes"] = int(info.mip_node_count)
+    elif has_solution:
+        result.objective = float(pulp.value(prob.objective))
+        result.gap = 0.0 if result.optimal else None
+    log.info("%s: %s in %.2fs (objective %s, gap %s)", name, status, seconds, result.objective, result.gap)
+    return result
+
+
+def _takes_check() -> bool:
+    try:
+        return "check" in inspect.signature(pulp.LpVariable.setInitialValue).parameters
+    except (TypeError, ValueError):
+        return False
