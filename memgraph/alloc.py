@@ -21,7 +21,7 @@ from collections import deque
 from turnip.memgraph.memgraph import Place
 
 START = -1  # writer id of a tenancy that holds its bytes when the step starts (a home)
-FIT_CANDIDATES = 16  # free runs examined per allocation from each end of the by-size index
+FIT_CANDIDATES = 4  # free runs examined per allocation from each end of the by-size index
 VICTIM_CANDIDATES = 6  # most expendable tenancies around which eviction windows are scanned
 
 

@@ -10,6 +10,9 @@ import torch
 from turnip.memgraph.budget import format_bytes, parse_budget
 from turnip.memgraph.memgraph import MemGraph
 from turnip.memgraph.trace import trace
+from turnip.planners.plan import Plan
+
+UNBOUNDED = 1 << 62  # a budget nothing ever exceeds
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +38,19 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     alignment = alignment or (256 if device.type == "cuda" else 64)
     started = time.perf_counter()
     tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device)
-    peak = tg.live_peak(alignment=alignment)
+    keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=alignment)
+    peak = unplanned_peak(keep_all)
     gpu_budget = parse_budget(budget, peak)
     cpu_bytes = parse_budget(cpu_budget, peak) if cpu_budget is not None else None
     log.info("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
              time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
-    plan = make_plan(tg, gpu_budget, cpu_bytes, planner, **planner_options)
-    mg = build(tg, plan, alignment=alignment)
+    if gpu_budget >= peak:  # everything fits: nothing to plan
+        mg = keep_all
+        mg.plan.gpu_budget = gpu_budget
+        mg.plan.cpu_budget = cpu_bytes
+    else:
+        plan = make_plan(tg, gpu_budget, cpu_bytes, planner, **planner_options)
+        mg = build(tg, plan, alignment=alignment)
     mg.initial_state = dict(tg.initial_state)
     mg.names = dict(tg.state_names)
     mg.device = str(device)
@@ -50,9 +59,13 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     return mg
 
 
-def make_plan(tg, gpu_budget: int, cpu_budget: int | None, planner: str, **options):
-    from turnip.planners.plan import Plan
+def unplanned_peak(keep_all: MemGraph) -> int:
+    """GPU bytes the step takes with everything kept: the arena BuildMemGraph packs it into,
+    plus the largest op workspace. Fractional budgets are fractions of this."""
+    return keep_all.arena_bytes + max((v.workspace for v in keep_all.taskgraph.vertices), default=0)
 
+
+def make_plan(tg, gpu_budget: int, cpu_budget: int | None, planner: str, **options):
     if planner == "none":
         return Plan(gpu_budget=gpu_budget, cpu_budget=cpu_budget, planner="none")
     from turnip import planners

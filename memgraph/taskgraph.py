@@ -223,7 +223,9 @@ class TaskGraph:
         peak = live
         frees: dict[int, int] = {}
         for val, pos in last_use.items():
-            if val not in keep and self.values[val].kind in (ValueKind.INTERMEDIATE, ValueKind.BATCH):
+            # a bound input's home is taken over by its update, so it is free after its last reader
+            if val not in keep and (self.values[val].kind in (ValueKind.INTERMEDIATE, ValueKind.BATCH)
+                                    or val in self.bindings):
                 frees[pos] = frees.get(pos, 0) + size(val)
         for pos, vid in enumerate(order):
             vertex = self.vertices[vid]

@@ -177,10 +177,9 @@ def formulate(problem: Problem) -> Formulation:
                     if gopt.kind == KEEP or gopt.at <= c:
                         coefs[f.x[gi, oj]] = -1.0
                 f.row(f"need_{hi}_{c}_{gi}", coefs, None, 0.0)
-            k = int(problem.window_of[c])
             for w in h.persistent:  # a CPU-homed weight must be streamed in there anyway
                 ii = problem.item_of[w]
-                if k not in items[ii].need_windows[w]:
+                if not items[ii].covers(w, c):
                     f.row(f"home_{hi}_{c}_{ii}", {f.x[hi, oi]: 1.0, f.y[ii]: 1.0}, None, 1.0)
     for gi, g in enumerate(groups):  # need time == earliest demand, not earlier
         for oj, gopt in enumerate(g.options):

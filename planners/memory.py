@@ -71,11 +71,10 @@ def structural_problems(problem: Problem, decisions: Decisions, at: list[int] | 
             out.append(f"group {gi} (vertex {g.vertex}) cannot {kind} for position {at[gi]}")
             continue
         if kind == RECOMPUTE:
-            k = int(problem.window_of[at[gi]])
             for w in g.persistent:
                 ii = problem.item_of[w]
-                if decisions.cpu[ii] and k not in problem.items[ii].need_windows[w]:
-                    out.append(f"group {gi} recomputes in window {k} where CPU-homed value {w} is absent")
+                if decisions.cpu[ii] and not problem.items[ii].covers(w, at[gi]):
+                    out.append(f"group {gi} recomputes at {at[gi]} where CPU-homed value {w} is absent")
     return out
 
 

@@ -50,7 +50,8 @@ class Group:
     pos: int
     saved: list[int]  # output value ids read after the forward pass
     nbytes: int  # aligned bytes of the saved outputs
-    n0: int  # first non-forward use of any saved output
+    n0: int  # first use after the gap (the backward pass, for forward groups) of any saved output
+    forward: bool = True  # False: an idle backward value, which can only be offloaded
     candidates: list[int] = field(default_factory=list)  # possible need times, ascending, n0 last
     chain: list[int] = field(default_factory=list)  # unsaved forward producers recomputed with it
     requires: list[int] = field(default_factory=list)  # groups whose outputs the recomputation reads
@@ -72,7 +73,10 @@ class Item:
     delta: list[tuple[int, int, int]]  # memory intervals (CPU home minus GPU home), signed bytes
     h2d: dict[int, int]  # window -> bytes fetched when homed on the CPU
     d2h: dict[int, int]  # window -> bytes written back when homed on the CPU
-    need_windows: dict[int, set[int]]  # value -> windows it is present in when homed on the CPU
+    present: dict[int, list[tuple[int, int]]]  # value -> positions it is on the GPU when homed on the CPU
+
+    def covers(self, value: int, position: int) -> bool:
+        return any(first <= position <= last for first, last in self.present[value])
 
 
 @dataclass

@@ -52,13 +52,22 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
     step_outputs = set(tg.outputs.values())
     targets = {dst: src for src, dst in tg.bindings.items()}
 
-    # -- classify forward values -------------------------------------------------------------
-    transient, saved_info, forced = set(), {}, set()  # saved_info: value -> (lastfwd, n0, last)
+    # -- classify values ----------------------------------------------------------------------
+    # saved_info: value -> (last use before its gap, first use after it, last use)
+    transient, saved_info, forced = set(), {}, set()
+    long_values = []  # backward/optimizer values idle for a while (e.g. a tied weight's gradient part)
     for val in tg.values:
         if val.kind is not ValueKind.INTERMEDIATE or val.producer < 0:
             continue
         prod = int(pos[val.producer])
         if phase[prod] != "forward":
+            if val.id not in step_outputs and val.id not in targets and readers[val.id]:
+                events = [prod] + readers[val.id]
+                gap = max(range(len(events) - 1), key=lambda i: events[i + 1] - events[i])
+                hold, nxt = events[gap], events[gap + 1]
+                if window_of[nxt] - 1 > window_of[hold]:  # long enough for a round trip
+                    saved_info[val.id] = (hold, nxt, events[-1])
+                    long_values.append(val.id)
             continue
         fwd = [p for p in readers[val.id] if phase[p] == "forward"]
         later = [p for p in readers[val.id] if phase[p] != "forward"]
@@ -85,9 +94,11 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
 
     groups: list[Group] = []
     group_of_value: dict[int, int] = {}
-    for vid, saved in group_vertices.items():
+    specs = [(vid, saved, True) for vid, saved in group_vertices.items()]
+    specs += [(tg.values[v].producer, [v], False) for v in long_values]  # offload or keep only
+    for vid, saved, forward in specs:
         g = Group(vertex=vid, pos=int(pos[vid]), saved=saved, nbytes=sum(size(o) for o in saved),
-                  n0=min(saved_info[o][1] for o in saved))
+                  n0=min(saved_info[o][1] for o in saved), forward=forward)
         for o in saved:
             group_of_value[o] = len(groups)
         groups.append(g)
@@ -99,7 +110,7 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
     recomputable = []
     for gi, g in enumerate(groups):
         chain, requires, persistent, anchor, batch = set(), set(), set(), set(), set()
-        ok, stack = True, [g.vertex]
+        ok, stack = g.forward, [g.vertex]
         while stack and ok:
             x = stack.pop()
             for u in tg.vertices[x].inputs():
@@ -164,7 +175,7 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
     # -- options ---------------------------------------------------------------------------------
     for gi, g in enumerate(groups):
         wp = int(window_of[g.pos])
-        spans = [(saved_info[o][0], saved_info[o][2], size(o)) for o in g.saved]  # (lastfwd, last, bytes)
+        spans = [(saved_info[o][0], saved_info[o][2], size(o)) for o in g.saved]  # (last use before the gap, last use, bytes)
         extra = sum(size(o) for c in g.chain for o in tg.vertices[c].outputs if o >= 0) + \
             sum(size(o) for o in tg.vertices[g.vertex].outputs if o >= 0 and o not in g.saved)
         g.options.append(Option(KEEP, -1, [(g.pos, last, b) for _, last, b in spans]))
@@ -173,13 +184,13 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
             if wc - 1 > wp:  # reload in the window before; the offload finished in the production window
                 fetch = int(win_start[wc - 1])
                 ivs = []
-                for lastfwd, last, b in spans:
-                    ivs.extend(_union(g.pos, max(lastfwd, int(win_end[wp])), fetch, last, b))
+                for hold, last, b in spans:
+                    ivs.extend(_union(g.pos, max(hold, int(win_end[wp])), fetch, last, b))
                 g.options.append(Option(OFFLOAD, c, ivs, h2d=(wc - 1, g.nbytes), d2h=(wp, g.nbytes)))
             if any(c == cc for cc, _ in rc_valid[gi]):
                 ivs = []
-                for lastfwd, last, b in spans:
-                    ivs.extend(_union(g.pos, lastfwd, c, last, b))
+                for hold, last, b in spans:
+                    ivs.extend(_union(g.pos, hold, c, last, b))
                 g.options.append(Option(RECOMPUTE, c, ivs, compute=(wc, g.rc_time), extra=extra))
         g.index = {(o.kind, o.at): i for i, o in enumerate(g.options)}
 
@@ -277,10 +288,14 @@ def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, s
             present = set()
             for k in wins:
                 present.update((k - 1, k) if k > 0 else (k,))
-            need[w] = present
+            spans = []
             for first, last in _runs(sorted(present)):
-                delta.append((int(win_start[first]), int(win_end[last]), b))
+                # fetched in the run's first window, dead after its last reader in the run
+                end = max(p for p in readers[w] if window_of[p] <= last)
+                spans.append((int(win_start[first]), int(end)))
+                delta.append((int(win_start[first]), int(end), b))
                 h2d[first] = h2d.get(first, 0) + b
+            need[w] = spans
             u = inverse.get(w)
             if u is None:
                 continue
@@ -295,7 +310,7 @@ def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, s
             delta.append((p_u, cpu_end, bu))
             d2h[int(window_of[p_u])] = d2h.get(int(window_of[p_u]), 0) + bu
         items.append(Item(name=key, kind=tg.values[values[0]].kind.value, values=values, nbytes=nbytes,
-                          delta=delta, h2d=h2d, d2h=d2h, need_windows=need))
+                          delta=delta, h2d=h2d, d2h=d2h, present=need))
     return items
 
 
