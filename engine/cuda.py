@@ -96,6 +96,8 @@ class CudaRuntime(Runtime):
         self._current: torch.cuda.Stream | None = None
         self._caller_stream: torch.cuda.Stream | None = None
         self._batch_ready = torch.cuda.Event()
+        self._timers: list | None = None  # (start, end) timing events per vertex, made on the first traced step
+        self._origin = None
         torch.cuda.synchronize()  # the initial state was written on the default stream
 
     def _allocate(self, mg: MemGraph) -> None:
@@ -121,6 +123,12 @@ class CudaRuntime(Runtime):
         self.completions.ready.clear()
         self._caller_stream = self._current = torch.cuda.current_stream()
         self._batch_ready.record()  # the batch may come from work queued on the caller's stream
+        if self.timing and self._timers is None:
+            self._timers = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                            for _ in range(self.graph.n)]
+            self._origin = torch.cuda.Event(enable_timing=True)
+        if self.timing:
+            self._origin.record()
 
     def _finish(self) -> None:
         for lane in self.lanes.values():
@@ -135,6 +143,22 @@ class CudaRuntime(Runtime):
 
     def abort_step(self) -> None:
         self._finish()
+
+    def device_records(self, records: list, origin: float) -> list:
+        """Replace host-side times by when each vertex ran on the GPU (the step has synchronized)."""
+        if not self.timing or self._timers is None:
+            return records
+        t0 = self._origin
+        out = []
+        for rec in records:
+            start, end = self._timers[rec.vertex]
+            try:
+                begin_s, end_s = t0.elapsed_time(start) / 1e3, t0.elapsed_time(end) / 1e3
+            except RuntimeError:  # never recorded (a failed step): keep the host times
+                out.append(rec)
+                continue
+            out.append(rec._replace(start=origin + begin_s, end=origin + end_s))
+        return out
 
     def lane(self, item: Launch) -> Lane:
         lane = self.lanes.get((item.key, item.instance))
@@ -156,7 +180,12 @@ class CudaRuntime(Runtime):
         if self._current is not stream:  # cheaper than a stream context per launch
             torch.cuda.set_stream(stream)
             self._current = stream
+        timers = self._timers if self.timing else None
+        if timers is not None:
+            timers[vid][0].record(stream)
         self.execute(self.mg.vertices[vid])
+        if timers is not None:
+            timers[vid][1].record(stream)
         events[vid].record(stream)
         lane.in_flight.append(vid)
         if lane.early and lane.reported_in_flight < self.depth:

@@ -101,6 +101,7 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
         records: list[Record] = []
         # fuzzing: random orders also get random worker delays where a backend supports them
         runtime.fuzz_seed = getattr(policy, "seed", None) if policy.name == "random" else None
+        runtime.timing = trace is not None  # device timestamps cost events: only when tracing
         runtime.begin_step(mg, leaves, step)
         completions = runtime.completion_source()
         notify = completions.put
@@ -121,7 +122,7 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
             runtime.last_records = records
             runtime.last_launch_order = scheduler.launch_order
             if trace is not None:
-                write_trace(trace, mg, records, graph.keys, origin,
+                write_trace(trace, mg, runtime.device_records(records, origin), graph.keys, origin,
                             instances={k: n for k, n in enumerate(pool.sizes)},
                             meta={"step": step, "ordering": policy.name, "policy": repr(policy), "ok": ok,
                                   "vertices": graph.n, "wall_s": time.perf_counter() - origin})

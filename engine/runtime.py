@@ -68,6 +68,7 @@ class Runtime:
         self._views: dict[tuple, torch.Tensor] = {}
         self._prepared: dict[int, object] = {}
         self.fuzz_seed: int | None = None  # set per step by engine.run for random orderings
+        self.timing = False  # set per step by engine.run when a trace is wanted
         self._ranks: dict[str, list[int]] = {}
         self.last_records: list = []  # Record of the last step (for traces and tests)
         self.last_launch_order: list[int] = []
@@ -176,6 +177,10 @@ class Runtime:
         if key not in self._ranks:
             self._ranks[key] = policy.ranks(mg)
         return self._ranks[key]
+
+    def device_records(self, records: list, origin: float) -> list:
+        """Records with the times the work really ran (backends that run asynchronously override)."""
+        return records
 
     # -- backend hooks ------------------------------------------------------------------
     def completion_source(self):
