@@ -21,8 +21,8 @@ from collections import deque
 from turnip.memgraph.memgraph import Place
 
 START = -1  # writer id of a tenancy that holds its bytes when the step starts (a home)
-FIT_CANDIDATES = 4  # free runs examined per allocation from each end of the by-size index
-VICTIM_CANDIDATES = 6  # most expendable tenancies around which eviction windows are scanned
+FIT_CANDIDATES = 16  # free runs examined per allocation from each end of the by-size index
+VICTIM_CANDIDATES = 2  # most expendable tenancies around which eviction windows are scanned
 
 
 class Tenancy:
@@ -35,8 +35,20 @@ class Tenancy:
     (the step of its next use, larger is cheaper to evict).
     """
 
-    __slots__ = ("value", "start", "end", "place", "writer", "readers", "pending", "step", "saved", "home", "cost",
-                 "alive")
+    __slots__ = (
+        "alive",
+        "cost",
+        "end",
+        "home",
+        "pending",
+        "place",
+        "readers",
+        "saved",
+        "start",
+        "step",
+        "value",
+        "writer",
+    )
 
     def __init__(self, value: int, step: int = -1):
         self.value = value
@@ -70,7 +82,7 @@ def wait_for(history: list[Tenancy]) -> list[int]:
 class _Seg:
     """A segment of the region: occupied by one tenancy, or a free run with its pieces' history."""
 
-    __slots__ = ("start", "end", "tenancy", "pieces", "prev", "next")
+    __slots__ = ("end", "next", "pieces", "prev", "start", "tenancy")
 
     def __init__(self, start: int, end: int, tenancy: Tenancy | None, pieces: list | None):
         self.start, self.end, self.tenancy, self.pieces = start, end, tenancy, pieces
@@ -113,12 +125,13 @@ class RangeAllocator:
         return seg
 
     def _drop_free(self, seg: _Seg) -> None:
+        seg.prev = seg.next = None  # no cycles among dead segments: refcounting frees them at once
         del self._segs[seg.start]
         del self._free_starts[bisect.bisect_left(self._free_starts, seg.start)]
         del self._by_room[bisect.bisect_left(self._by_room, (seg.end - seg.start, seg.start))]
 
     def _link(self, prev: _Seg | None, chain: list[_Seg], nxt: _Seg | None) -> None:
-        for a, b in zip(chain, chain[1:]):
+        for a, b in itertools.pairwise(chain):
             a.next, b.prev = b, a
         chain[0].prev, chain[-1].next = prev, nxt
         if prev is None:
@@ -158,8 +171,7 @@ class RangeAllocator:
             for s, _e, _t, f in pieces:  # front window: pieces overlapping [rs, rs+size)
                 if s >= we:
                     break
-                if f > oldest:
-                    oldest = f
+                oldest = max(oldest, f)
             key = (oldest, room, rs)
             if best_key is None or key < best_key:
                 best_key, best = key, rs
@@ -169,8 +181,7 @@ class RangeAllocator:
                 for _s, e, _t, f in reversed(pieces):
                     if e <= ws:
                         break
-                    if f > oldest:
-                        oldest = f
+                    oldest = max(oldest, f)
                 key = (oldest, room, ws)
                 if key < best_key:
                     best_key, best = key, ws
@@ -194,6 +205,7 @@ class RangeAllocator:
                 inside.append(piece if s >= ws and e <= we else (max(s, ws), min(e, we), t, f))
             if e > we:
                 right.append(piece if s >= we else (we, e, t, f))
+        prev, nxt = run.prev, run.next
         self._drop_free(run)
         chain = []
         if ws > rs:
@@ -203,7 +215,7 @@ class RangeAllocator:
         chain.append(mid)
         if we < re:
             chain.append(self._new_free(we, re, right))
-        self._link(run.prev, chain, run.next)
+        self._link(prev, chain, nxt)
         tenancy.start, tenancy.end, tenancy.saved = ws, we, inside
         tenancy.place = Place(self.where, ws, size)
         tenancy.alive = True
@@ -239,17 +251,18 @@ class RangeAllocator:
         tenancy.alive = False
         self.live -= seg.end - seg.start
         prev, nxt = seg.prev, seg.next
+        seg.prev = seg.next = seg.tenancy = None
         start, end = seg.start, seg.end
         if prev is not None and prev.tenancy is None:  # merge with the free run on the left
             start = prev.start
             pieces = _join(prev.pieces, pieces)
-            self._drop_free(prev)
-            prev = prev.prev
+            dead, prev = prev, prev.prev
+            self._drop_free(dead)
         if nxt is not None and nxt.tenancy is None:  # and with the one on the right
             end = nxt.end
             pieces = _join(pieces, nxt.pieces)
-            self._drop_free(nxt)
-            nxt = nxt.next
+            dead, nxt = nxt, nxt.next
+            self._drop_free(dead)
         self._link(prev, [self._new_free(start, end, pieces)], nxt)
 
     # -- simMallocOffld: where to evict -----------------------------------------
@@ -270,6 +283,12 @@ class RangeAllocator:
         while seg.end <= offset:
             seg = seg.next
         return seg
+
+    def close(self) -> None:
+        """Unlink the segments (they form prev/next cycles) so refcounting frees them."""
+        for seg in self._segs.values():
+            seg.prev = seg.next = None
+        self._head = None
 
     def tenancies(self) -> list[Tenancy]:
         return [seg.tenancy for seg in self._segs.values() if seg.tenancy is not None]

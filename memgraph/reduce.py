@@ -7,9 +7,8 @@ ancestry is proven two cheap ways:
 - interval labels of a spanning tree (each vertex's latest predecessor is
   its tree parent, so the long chains of a training step are tree paths):
   "u is a tree ancestor of x" is an O(1) test;
-- a small backward search from w's other predecessors, pruned to vertices
-  after the oldest candidate (edges go forward in serial order).
-What is proven is exact; what the budget misses is kept. Removing an implied
+- u is a direct predecessor of another predecessor of w (two hops).
+What is proven is exact; what these miss is kept. Removing an implied
 edge keeps the transitive closure, so later tests stay valid. Data edges are
 never dropped: they say where each input comes from.
 """
@@ -17,8 +16,8 @@ never dropped: they say where each input comes from.
 from __future__ import annotations
 
 
-def reduce_memory_edges(n: int, data: set[tuple[int, int]], memory: set[tuple[int, int]],
-                        budget: int = 12) -> tuple[set[tuple[int, int]], int]:
+def reduce_memory_edges(n: int, data: set[tuple[int, int]],
+                        memory: set[tuple[int, int]]) -> tuple[set[tuple[int, int]], int]:
     """Vertices are numbered in serial order (every edge goes from a smaller id to a larger one).
     Return (memory edges kept, number dropped); memory edges duplicating a data edge count as dropped."""
     preds: list[list[int]] = [[] for _ in range(n)]
@@ -42,50 +41,19 @@ def reduce_memory_edges(n: int, data: set[tuple[int, int]], memory: set[tuple[in
         ps = preds[w]
         if len(ps) > 1:
             redundant = set()
-            for u in mine:  # u reaches another predecessor through tree edges?
+            for u in mine:
                 eu, lu = enter[u], leave[u]
                 for p in ps:
-                    if p != u and eu < enter[p] and leave[p] <= lu:
+                    # u reaches another predecessor p: along tree edges, or directly
+                    if p != u and ((eu < enter[p] and leave[p] <= lu) or u in preds[p]):
                         redundant.add(u)
                         break
-            rest = [u for u in mine if u not in redundant]
-            if rest:
-                redundant |= _search(rest, ps, preds, enter, leave, budget)
             if redundant:
                 dropped += len(redundant)
                 preds[w] = [p for p in ps if p not in redundant]
                 mine = [u for u in mine if u not in redundant]
         kept.update((u, w) for u in mine)
     return kept, dropped
-
-
-def _search(targets: list[int], ps: list[int], preds: list[list[int]], enter: list[int], leave: list[int],
-            budget: int) -> set[int]:
-    """Targets that are ancestors of some vertex reached backward from ps (a bounded search)."""
-    lo = min(targets)
-    found: set[int] = set()
-    seen: set[int] = set()
-    stack = []
-    for p in ps:
-        for q in preds[p]:
-            if q >= lo and q not in seen:
-                seen.add(q)
-                stack.append(q)
-    steps = 0
-    while stack and steps < budget:
-        x = stack.pop()
-        steps += 1
-        ex, lx = enter[x], leave[x]
-        for u in targets:
-            if u == x or (enter[u] < ex and lx <= leave[u]):
-                found.add(u)
-        if len(found) == len(targets):
-            break
-        for q in preds[x]:
-            if q >= lo and q not in seen:
-                seen.add(q)
-                stack.append(q)
-    return found
 
 
 def _tree_intervals(n: int, preds: list[list[int]]) -> tuple[list[int], list[int]]:

@@ -10,7 +10,9 @@ position lets the builder ask "when is this value used next?" (eviction) and
 
 from __future__ import annotations
 
-from turnip.memgraph.taskgraph import TaskGraph, ValueKind
+import itertools
+
+from turnip.memgraph.taskgraph import TaskGraph, TensorRef, ValueKind
 from turnip.planners.plan import CPU, GPU, Plan
 
 TASK, OUT, WB = 0, 1, 2
@@ -21,11 +23,18 @@ def aligned(nbytes: int, alignment: int) -> int:
     return -(-max(int(nbytes), 1) // alignment) * alignment
 
 
+def _inputs(vertex) -> list[int]:
+    """vertex.inputs(), with a fast path for the common flat argument tuple."""
+    if not vertex.kwargs and all(type(a) is TensorRef for a in vertex.args):
+        return list(dict.fromkeys(a.value for a in vertex.args))
+    return vertex.inputs()
+
+
 class Schedule:
     def __init__(self, tg: TaskGraph, order: list[int], plan: Plan, alignment: int):
         values = tg.values
         self.size = [aligned(v.nbytes, alignment) for v in values]
-        self.inputs = [vertex.inputs() for vertex in tg.vertices]
+        self.inputs = [_inputs(vertex) for vertex in tg.vertices]
         self.outputs = [[o for o in vertex.outputs if o >= 0] for vertex in tg.vertices]
         for vid, home in plan.home.items():
             if home not in (GPU, CPU):
@@ -53,6 +62,8 @@ class Schedule:
         for src, dst in tg.bindings.items():
             if src == dst:
                 continue
+            if values[dst].kind is not ValueKind.INTERMEDIATE:
+                raise ValueError(f"binding {src} -> {dst}: the updated value must be produced by the step")
             k = max(produced_at(dst), last_read[src], out_at.get(src, -1))
             extra.setdefault(k, []).append((WB, src, dst))
         self.steps: list[tuple] = list(extra.get(-1, []))
@@ -81,7 +92,7 @@ class Schedule:
             if not 0 <= v < len(values) or values[v].kind is not ValueKind.INTERMEDIATE or values[v].producer < 0:
                 continue
             times = [self.task_step[values[v].producer]] + self.uses[v]
-            gap, at = max((b - a, a) for a, b in zip(times, times[1:])) if len(times) > 1 else (0, -1)
+            gap, at = max((b - a, a) for a, b in itertools.pairwise(times)) if len(times) > 1 else (0, -1)
             if gap >= 2:  # something runs in between: worth freeing the bytes
                 self.offload_after.add(v)
                 self.release_at.setdefault(at, []).append(v)

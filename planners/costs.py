@@ -120,9 +120,23 @@ def _attention_flops(vertex: Vertex, t: list[TensorRef], backward: bool) -> floa
     *batch, lq, e = _dims(q)
     lk = _dims(k)[-2]
     flops = 4.0 * _numel(batch) * lq * lk * e  # QK^T and PV
-    if vertex.kwargs.get("is_causal", False) or any(a is True for a in vertex.args[3:6]):
+    if _arg(vertex, "is_causal"):
         flops *= 0.5
     return flops * (2.5 if backward else 1.0)  # backward: recompute P, then dQ, dK, dV, dP
+
+
+def _arg(vertex: Vertex, name: str) -> Any:
+    """A named argument of an ATen op, looked up in its schema (positions differ per overload)."""
+    if name in vertex.kwargs:
+        return vertex.kwargs[name]
+    try:
+        from turnip.kernels.ops import resolve_op
+
+        names = [a.name for a in resolve_op(vertex.op)._schema.arguments]
+    except (ValueError, AttributeError, ImportError):
+        return None
+    i = names.index(name) if name in names else -1
+    return vertex.args[i] if 0 <= i < len(vertex.args) else None
 
 
 def analytic_time(tg: TaskGraph, vertex: Vertex, spec: DeviceSpec) -> float:

@@ -52,6 +52,7 @@ def to_plan(problem: Problem, decisions: Decisions, ev: Evaluation, planner: str
     stats.update(ev.mix)
     stats.update({
         "values_peak": ev.peak,
+        "objective": ev.objective,
         "cap": problem.cap,
         "headroom": problem.headroom,
         "alignment": problem.alignment,

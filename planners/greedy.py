@@ -30,8 +30,14 @@ def _apply(dec: Decisions, moves: list[Move]) -> Decisions:
     return out
 
 
-def rank_moves(problem: Problem) -> list[Move]:
-    """All moves, most attractive first, each valid given the ones before it."""
+STRATEGIES = ("practical", "recompute_first", "stream_first")
+
+
+def rank_moves(problem: Problem, strategy: str = "practical") -> list[Move]:
+    """All moves, most attractive first, each valid given the ones before it.
+
+    practical: cheap recomputation, offload, stream states, stream weights, costly recomputation;
+    recompute_first / stream_first: alternatives for budgets where that order runs dry."""
     groups = problem.groups
     xfer = [g.nbytes / problem.bw_d2h + g.nbytes / problem.bw_h2d for g in groups]
     can_r = [g.option(RECOMPUTE, g.n0) is not None for g in groups]
@@ -46,45 +52,91 @@ def rank_moves(problem: Problem) -> list[Move]:
     weights = sorted((ii for ii, it in enumerate(items) if it.kind != "optimizer_state"), key=lambda i: -items[i].nbytes)
     late_r = sorted((gi for gi in range(len(groups)) if can_r[gi] and gi not in cheap_set),
                     key=lambda gi: groups[gi].rc_time / max(1, groups[gi].nbytes))
-    proposals: list[Move] = [("group", gi, RECOMPUTE) for gi in cheap]
-    proposals += [("group", gi, OFFLOAD) for gi in offload]
-    proposals += [("item", ii, True) for ii in states + weights]
-    proposals += [("group", gi, RECOMPUTE) for gi in late_r]
-    # keep only moves that stay inside the option space (chains shift need times)
+    recompute = [("group", gi, RECOMPUTE) for gi in cheap]
+    offloads = [("group", gi, OFFLOAD) for gi in offload]
+    streams = [("item", ii, True) for ii in states + weights]
+    costly = [("group", gi, RECOMPUTE) for gi in late_r]
+    if strategy == "recompute_first":
+        proposals = recompute + costly + offloads + streams
+    elif strategy == "stream_first":
+        proposals = streams + recompute + offloads + costly
+    else:
+        proposals = recompute + offloads + streams + costly
+    # keep only moves that stay inside the option space (chains shift need times); a rejected
+    # recomputation is tried as an offload and vice versa, and a weight that a recomputation
+    # needs outside its streamed span turns that recomputation into an offload
     dec = Decisions.keep_all(problem)
-    cpu_bytes = 0.0
+    state = {"cpu": 0.0}
     accepted: list[Move] = []
+
+    def pinned(moves: list[Move]) -> float:
+        extra = 0.0
+        for what, i, val in moves:
+            if what == "item":
+                extra += items[i].nbytes
+            elif val == OFFLOAD and dec.groups[i] != OFFLOAD:
+                extra += groups[i].nbytes
+            elif val != OFFLOAD and dec.groups[i] == OFFLOAD:
+                extra -= groups[i].nbytes
+        return extra
+
+    def attempt(moves: list[Move]) -> bool:
+        nonlocal dec
+        extra = pinned(moves)
+        if state["cpu"] + extra > problem.cpu_cap:
+            return False
+        trial = _apply(dec, moves)
+        if structural_problems(problem, trial, need_times(problem, trial.groups)):
+            return False
+        dec, state["cpu"] = trial, state["cpu"] + extra
+        accepted.extend(moves)
+        return True
+
     for move in proposals:
         what, i, val = move
-        if what == "item" and cpu_bytes + items[i].nbytes > problem.cpu_cap:
+        if what == "group" and dec.groups[i] == val:
             continue
-        if what == "group" and val == OFFLOAD and cpu_bytes + groups[i].nbytes > problem.cpu_cap:
+        if attempt([move]):
             continue
-        trial = _apply(dec, [move])
-        if structural_problems(problem, trial, need_times(problem, trial.groups)):
+        if what == "group":
+            other = OFFLOAD if val == RECOMPUTE else RECOMPUTE
+            if dec.groups[i] == KEEP and groups[i].option(other, groups[i].n0) is not None:
+                attempt([("group", i, other)])
             continue
-        if what == "item":
-            cpu_bytes += items[i].nbytes
-        elif val == OFFLOAD:
-            cpu_bytes += groups[i].nbytes
-        elif dec.groups[i] == OFFLOAD:
-            cpu_bytes -= groups[i].nbytes
-        dec = trial
-        accepted.append(move)
+        blocking = [gi for gi, kind in enumerate(dec.groups) if kind == RECOMPUTE and any(
+            problem.item_of[w] == i for w in groups[gi].persistent)]
+        attempt([("group", gi, OFFLOAD) for gi in blocking] + [move])
     return accepted
 
 
 def greedy(problem: Problem, undo_budget: int = 200) -> tuple[Decisions, Evaluation, dict]:
-    """Decisions that fit (Evaluation.feasible) when the option space allows, else the most
-    memory-saving ones found (infeasible Evaluation)."""
+    """Decisions that fit (Evaluation.feasible) when any move order finds some, else the most
+    memory-saving ones found (infeasible Evaluation). Tries each strategy, keeps the fastest."""
     started = time.perf_counter()
     base = Decisions.keep_all(problem)
     ev = evaluate(problem, base)
-    stats = {"moves": 0, "evaluations": 1}
+    stats = {"moves": 0, "evaluations": 1, "strategy": None}
     if ev.feasible:
         stats["seconds"] = time.perf_counter() - started
         return base, ev, stats
-    moves = rank_moves(problem)
+    best = None
+    for strategy in STRATEGIES:
+        dec, e, st = _greedy_with(problem, base, rank_moves(problem, strategy), undo_budget)
+        stats["evaluations"] += st["evaluations"]
+        better = best is None or (e.feasible, -e.objective if e.feasible else -e.peak) > \
+            (best[1].feasible, -best[1].objective if best[1].feasible else -best[1].peak)
+        if better:
+            best = (dec, e, st["moves"], strategy)
+    dec, ev, stats["moves"], stats["strategy"] = best
+    stats["seconds"] = time.perf_counter() - started
+    log.info("greedy (%s): %d moves, %s, predicted %.3f ms, peak %d / cap %d, %d evaluations in %.2fs",
+             stats["strategy"], stats["moves"], "fits" if ev.feasible else "does NOT fit", ev.time * 1e3, ev.peak,
+             problem.cap, stats["evaluations"], stats["seconds"])
+    return dec, ev, stats
+
+
+def _greedy_with(problem: Problem, base: Decisions, moves: list[Move], undo_budget: int):
+    stats = {"moves": 0, "evaluations": 0}
     cache: dict[int, Evaluation] = {}
 
     def at_prefix(k: int) -> Evaluation:
@@ -93,29 +145,22 @@ def greedy(problem: Problem, undo_budget: int = 200) -> tuple[Decisions, Evaluat
             stats["evaluations"] += 1
         return cache[k]
 
-    def fits(e: Evaluation) -> bool:
-        return e.feasible
-
-    lo, hi = 0, len(moves)
-    if not fits(at_prefix(hi)):
+    n = len(moves)
+    if not at_prefix(n).feasible:
         # the whole list does not fit: report the least memory we reached
-        best_k = min(range(0, len(moves) + 1, max(1, len(moves) // 16)), key=lambda k: at_prefix(k).peak)
-        best_k = best_k if at_prefix(best_k).peak < at_prefix(len(moves)).peak else len(moves)
-        stats["seconds"] = time.perf_counter() - started
-        return _apply(base, moves[:best_k]), at_prefix(best_k), stats
+        k = min(range(0, n + 1, max(1, n // 16)), key=lambda k: at_prefix(k).peak)
+        k = k if at_prefix(k).peak < at_prefix(n).peak else n
+        stats["moves"] = k
+        return _apply(base, moves[:k]), at_prefix(k), stats
+    lo, hi = 0, n
     while lo < hi:  # shortest fitting prefix (memory falls nearly monotonically along the list)
         mid = (lo + hi) // 2
-        if fits(at_prefix(mid)):
+        if at_prefix(mid).feasible:
             hi = mid
         else:
             lo = mid + 1
-    k = lo
-    dec, ev = _apply(base, moves[:k]), at_prefix(k)
-    stats["moves"] = k
-    dec, ev = _undo(problem, dec, ev, moves[:k], undo_budget, stats)
-    stats["seconds"] = time.perf_counter() - started
-    log.info("greedy: %d moves, predicted %.3f ms, peak %d / cap %d, %d evaluations in %.2fs",
-             stats["moves"], ev.time * 1e3, ev.peak, problem.cap, stats["evaluations"], stats["seconds"])
+    stats["moves"] = lo
+    dec, ev = _undo(problem, _apply(base, moves[:lo]), at_prefix(lo), moves[:lo], undo_budget, stats)
     return dec, ev, stats
 
 
@@ -139,7 +184,7 @@ def _undo(problem: Problem, dec: Decisions, ev: Evaluation, moves: list[Move], b
             trial.cpu[i] = False
         e = evaluate(problem, trial)
         stats["evaluations"] += 1
-        if e.feasible and e.time <= ev.time:
+        if e.feasible and e.objective <= ev.objective:
             dec, ev = trial, e
             stats["moves"] -= 1
     return dec, ev

@@ -12,7 +12,8 @@ Constraints
   a group's need time is exactly the earliest demand (so the ILP and memory.evaluate agree);
   a recomputation may not read a CPU-homed weight outside the windows it is streamed in.
 Objective
-  sum of T[k] (recompute time lands in the windows' compute).
+  sum of T[k] (recompute time lands in the windows' compute), plus memory.TIE_BREAK times the
+  seconds of every transfer and recomputation, so equal-time plans prefer moving less.
 
 The formulation is plain arrays (``Formulation``); ``solve`` hands it to PuLP (HiGHS via highspy
 when available, else CBC) with the greedy plan as a warm start; ilp_decode.py turns a solution
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from turnip.planners.memory import TIE_BREAK, item_seconds, option_seconds
 from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Problem
 
 log = logging.getLogger(__name__)
@@ -86,10 +88,10 @@ def formulate(problem: Problem) -> Formulation:
 
     for gi, g in enumerate(groups):
         for oi, opt in enumerate(g.options):
-            f.x[gi, oi] = f.col(f"x_{gi}_{oi}", 0, 1, True)
+            f.x[gi, oi] = f.col(f"x_{gi}_{oi}", 0, 1, True, TIE_BREAK * option_seconds(problem, opt) / f.time_unit)
         f.row(f"one_{gi}", {f.x[gi, oi]: 1.0 for oi in range(len(g.options))}, 1.0, 1.0)
     for ii, item in enumerate(items):
-        f.y[ii] = f.col(f"y_{ii}", 0, 1, True)
+        f.y[ii] = f.col(f"y_{ii}", 0, 1, True, TIE_BREAK * item_seconds(problem, item) / f.time_unit)
 
     # -- window times ---------------------------------------------------------------------------
     comp = [defaultdict(float) for _ in range(problem.n_windows)]
@@ -177,10 +179,9 @@ def formulate(problem: Problem) -> Formulation:
                     if gopt.kind == KEEP or gopt.at <= c:
                         coefs[f.x[gi, oj]] = -1.0
                 f.row(f"need_{hi}_{c}_{gi}", coefs, None, 0.0)
-            for w in h.persistent:  # a CPU-homed weight must be streamed in there anyway
-                ii = problem.item_of[w]
-                if not items[ii].covers(w, c):
-                    f.row(f"home_{hi}_{c}_{ii}", {f.x[hi, oi]: 1.0, f.y[ii]: 1.0}, None, 1.0)
+            absent = sorted({problem.item_of[w] for w in h.persistent if not items[problem.item_of[w]].covers(w, c)})
+            for ii in absent:  # a CPU-homed weight must be streamed in there anyway
+                f.row(f"home_{hi}_{c}_{ii}", {f.x[hi, oi]: 1.0, f.y[ii]: 1.0}, None, 1.0)
     for gi, g in enumerate(groups):  # need time == earliest demand, not earlier
         for oj, gopt in enumerate(g.options):
             if gopt.kind == KEEP or gopt.at >= g.n0:

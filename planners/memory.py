@@ -15,6 +15,11 @@ import numpy as np
 from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Problem
 
 
+# Transfers and recomputation hidden under compute still use the link and the GPU: among plans
+# of equal step time, prefer the one that moves and recomputes least.
+TIE_BREAK = 1e-3
+
+
 @dataclass
 class Decisions:
     groups: list[str]  # per group: KEEP | OFFLOAD | RECOMPUTE
@@ -33,6 +38,7 @@ class Evaluation:
     feasible: bool
     reason: str
     time: float  # predicted seconds per step
+    objective: float  # time + TIE_BREAK * (transfer + recompute seconds): what the planners minimize
     peak: int  # bytes of values at the fullest position
     peak_pos: int
     profile: np.ndarray
@@ -44,6 +50,17 @@ class Evaluation:
     options: list[int]  # per group: option index (-1: the decision has no such option)
     cpu_bytes: float
     mix: dict = field(default_factory=dict)
+
+
+def option_seconds(problem: Problem, opt) -> float:
+    """Seconds of link and recompute work an option adds, whether or not compute hides it."""
+    t = opt.compute[1] if opt.compute is not None else 0.0
+    t += opt.h2d[1] / problem.bw_h2d if opt.h2d is not None else 0.0
+    return t + (opt.d2h[1] / problem.bw_d2h if opt.d2h is not None else 0.0)
+
+
+def item_seconds(problem: Problem, item) -> float:
+    return sum(item.h2d.values()) / problem.bw_h2d + sum(item.d2h.values()) / problem.bw_d2h
 
 
 def need_times(problem: Problem, kinds: list[str]) -> list[int]:
@@ -87,6 +104,7 @@ def evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
     at = need_times(problem, decisions.groups)
     reasons = structural_problems(problem, decisions, at)
     cpu_bytes = 0.0
+    moved = 0.0  # seconds of transfers and recomputation, hidden or not
     options = []
     mix = {"bytes_kept": 0, "bytes_offloaded": 0, "bytes_recomputed": 0, "bytes_weights_streamed": 0,
            "bytes_states_streamed": 0, "recompute_seconds": 0.0}
@@ -105,6 +123,7 @@ def evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
         if opt.compute is not None:
             compute[opt.compute[0]] += opt.compute[1]
             mix["recompute_seconds"] += opt.compute[1]
+        moved += option_seconds(problem, opt)
         if opt.h2d is not None:
             h2d[opt.h2d[0]] += opt.h2d[1]
         if opt.d2h is not None:
@@ -122,6 +141,7 @@ def evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
             h2d[k] += b
         for k, b in item.d2h.items():
             d2h[k] += b
+        moved += item_seconds(problem, item)
         cpu_bytes += item.nbytes
         key = "bytes_states_streamed" if item.kind == "optimizer_state" else "bytes_weights_streamed"
         mix[key] += item.nbytes
@@ -133,6 +153,8 @@ def evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
         reasons.append(f"peak {peak} bytes at position {peak_pos} exceeds the {problem.cap}-byte cap")
     if cpu_bytes > problem.cpu_cap:
         reasons.append(f"pinned CPU bytes {int(cpu_bytes)} exceed the CPU budget {int(problem.cpu_cap)}")
-    return Evaluation(feasible=not reasons, reason="; ".join(reasons[:3]), time=float(window_time.sum()),
+    total = float(window_time.sum())
+    return Evaluation(feasible=not reasons, reason="; ".join(reasons[:3]), time=total,
+                      objective=total + TIE_BREAK * moved,
                       peak=peak, peak_pos=peak_pos, profile=profile, window_time=window_time, compute=compute,
                       h2d=h2d, d2h=d2h, at=at, options=options, cpu_bytes=cpu_bytes, mix=mix)

@@ -181,16 +181,14 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
         g.options.append(Option(KEEP, -1, [(g.pos, last, b) for _, last, b in spans]))
         for c in g.candidates:
             wc = int(window_of[c])
-            if wc - 1 > wp:  # reload in the window before; the offload finished in the production window
-                fetch = int(win_start[wc - 1])
-                ivs = []
-                for hold, last, b in spans:
-                    ivs.extend(_union(g.pos, max(hold, int(win_end[wp])), fetch, last, b))
-                g.options.append(Option(OFFLOAD, c, ivs, h2d=(wc - 1, g.nbytes), d2h=(wp, g.nbytes)))
+            # Memory follows BuildMemGraph's serial accounting: an offloaded value leaves the
+            # arena after its last use before the gap and is reloaded at the use after it, just
+            # like a recomputed one; the transfers themselves cost time in the windows of
+            # production and of the use (prefetched one window ahead).
+            ivs = [iv for hold, last, b in spans for iv in _union(g.pos, hold, c, last, b)]
+            if all(_gap_is_largest(g.pos, readers[o], saved_info[o][0], c) for o in g.saved):
+                g.options.append(Option(OFFLOAD, c, ivs, h2d=(max(wc - 1, wp), g.nbytes), d2h=(wp, g.nbytes)))
             if any(c == cc for cc, _ in rc_valid[gi]):
-                ivs = []
-                for hold, last, b in spans:
-                    ivs.extend(_union(g.pos, hold, c, last, b))
                 g.options.append(Option(RECOMPUTE, c, ivs, compute=(wc, g.rc_time), extra=extra))
         g.index = {(o.kind, o.at): i for i, o in enumerate(g.options)}
 
@@ -244,6 +242,15 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
     return problem
 
 
+def _gap_is_largest(prod: int, reads: list[int], hold: int, c: int) -> bool:
+    """BuildMemGraph frees an offloaded value across the longest gap between its uses: the
+    option only means what it says when that gap is the one from `hold` to `c`."""
+    events = sorted({prod, c, *reads})
+    if c - hold < 2:
+        return False
+    return all(b - a <= c - hold for a, b in zip(events, events[1:]) if not (a == hold and b == c))
+
+
 def _union(a0: int, a1: int, b0: int, b1: int, b: int) -> list[tuple[int, int, int]]:
     """Intervals [a0, a1] and [b0, b1] (a0 <= b0) as disjoint pieces."""
     if b0 <= a1 + 1:
@@ -290,10 +297,11 @@ def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, s
                 present.update((k - 1, k) if k > 0 else (k,))
             spans = []
             for first, last in _runs(sorted(present)):
-                # fetched in the run's first window, dead after its last reader in the run
-                end = max(p for p in readers[w] if window_of[p] <= last)
-                spans.append((int(win_start[first]), int(end)))
-                delta.append((int(win_start[first]), int(end), b))
+                # fetched in the run's first window (time); in the arena from the run's first
+                # reader to its last, as BuildMemGraph reloads on demand (memory)
+                inside = [p for p in readers[w] if first <= window_of[p] <= last]
+                spans.append((int(inside[0]), int(inside[-1])))
+                delta.append((int(inside[0]), int(inside[-1]), b))
                 h2d[first] = h2d.get(first, 0) + b
             need[w] = spans
             u = inverse.get(w)
@@ -304,7 +312,7 @@ def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, s
             own_last = readers[u][-1] if readers[u] else p_u
             old_last = readers[w][-1] if readers[w] else p_u
             gpu_end = max(p_u, own_last, old_last)  # copied into its home once the old value is dead
-            cpu_end = max(own_last, int(win_end[window_of[p_u]]))  # written back within its window
+            cpu_end = max(own_last, p_u)  # written back (d2h) as soon as it is produced
             add(p_u, gpu_end, bu)
             delta.append((p_u, gpu_end, -bu))
             delta.append((p_u, cpu_end, bu))

@@ -1,0 +1,109 @@
+"""turnip's benchmarks, one command each (see bench/README.md for what every column means).
+
+    python -m turnip.bench suite --models gpt350m,gpt1.3b,lora1.3b,llama --budgets 1.0,0.6,0.5,0.25,0.1 --steps 5
+    python -m turnip.bench suite --tiny                 # the whole suite on the CPU in < 1 min (CI)
+    python -m turnip.bench ablation [--tiny] [--device cuda]
+    python -m turnip.bench plots [--results DIR]        # redraw PNGs from saved JSON
+
+Results go to bench/results/ (or $TURNIP_RESULTS, or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+from turnip.bench.results import result_path
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _out(args) -> Path:
+    return Path(args.out) if args.out else result_path("x").parent
+
+
+def suite(args) -> int:
+    from turnip.bench.suite import DEFAULT_SYSTEMS, TINY_SYSTEMS, SuiteConfig, format_table, run_suite
+
+    device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    cfg = SuiteConfig(
+        models=_names(args.models or "gpt350m"),
+        budgets=_floats(args.budgets or ("1.0,0.5" if args.tiny else "1.0,0.6,0.5,0.25,0.1")),
+        steps=args.steps if args.steps is not None else (2 if args.tiny else 5),
+        systems=_names(args.systems) if args.systems else list(TINY_SYSTEMS if args.tiny else DEFAULT_SYSTEMS),
+        tiny=args.tiny, device=device, out=_out(args), time_limit=args.time_limit, system_limit=args.system_limit,
+        warmup=args.warmup, planner=args.planner, tag=args.tag, batch=args.batch, plots=not args.no_plots)
+    for b in cfg.budgets:
+        if not 0 < b <= 1:
+            raise SystemExit(f"budgets are fractions in (0, 1], got {b}")
+    logging.getLogger(__name__).info("suite: %s", cfg)
+    rows = run_suite(cfg)
+    print(format_table(rows))
+    print(f"\nresults in {cfg.out}")
+    return 0
+
+
+def ablation(args) -> int:
+    from turnip.bench.ablation import main as ablation_main
+
+    argv = ["--out", str(_out(args))]
+    if args.tiny:
+        argv.append("--tiny")
+    if args.device:
+        argv += ["--device", args.device]
+    if args.models:
+        argv += ["--model", _names(args.models)[0]]
+    if args.budgets:
+        argv += ["--budget", str(_floats(args.budgets)[0])]
+    if args.steps is not None:
+        argv += ["--repeat", str(args.steps)]
+    return ablation_main(argv)
+
+
+def plots(args) -> int:
+    from turnip.bench.plots import redraw
+
+    folder = Path(args.results) if args.results else _out(args)
+    for png in redraw(folder):
+        print(png)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m turnip.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["suite", "ablation", "plots"])
+    parser.add_argument("--models", help="comma-separated: gpt350m, gpt1.3b, lora1.3b, llama")
+    parser.add_argument("--budgets", help="comma-separated fractions of eager's measured peak GPU memory")
+    parser.add_argument("--steps", type=int, help="timed steps per system (after --warmup); ablation: repeats")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (allocation, autotuning)")
+    parser.add_argument("--systems", help="comma-separated subset of eager, checkpoint, offload, "
+                        "checkpoint_offload, deepspeed, torchao, torchtune, turnip")
+    parser.add_argument("--tiny", action="store_true", help="CPU-sized models, CPU device: the suite in < 1 min")
+    parser.add_argument("--device", help="cuda (default when available) or cpu")
+    parser.add_argument("--out", help="folder for JSON/PNG (default bench/results or $TURNIP_RESULTS)")
+    parser.add_argument("--results", help="plots: folder to read (default --out)")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file name (split runs of one model)")
+    parser.add_argument("--batch", type=int, help="batch size instead of the model's default")
+    parser.add_argument("--planner", default="auto", help="memgraph.compile planner: auto, ilp, greedy, none")
+    parser.add_argument("--time-limit", type=float, default=540.0, help="seconds for the whole command")
+    parser.add_argument("--system-limit", type=float, default=240.0, help="seconds for any one system")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    return {"suite": suite, "ablation": ablation, "plots": plots}[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""A Llama-architecture workload from Hugging Face's LlamaConfig, random weights (nothing is downloaded).
+
+The benchmark size follows TinyLlama-1.1B's shape (hidden 2048, MLP 5632, 22 layers,
+32 heads with 4 key/value heads, vocab 32000), sequence 1024, batch 8. Needs
+``transformers``; without it ``llama_workload`` raises ``Unavailable`` and the
+suite records the model as "not installed".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from turnip.bench.peers.common import OptimizerSpec, Workload, parameter_count
+
+BENCH = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+             "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048}
+TINY = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 64}
+SEQ, BATCH, TINY_SEQ, TINY_BATCH = 1024, 8, 32, 4
+
+
+class Unavailable(RuntimeError):
+    """The workload cannot be built here (a package is missing)."""
+
+
+def llama_loss(model, batch) -> torch.Tensor:
+    """Next-token cross-entropy on the logits, forward under bf16 autocast (same recipe as the GPTs)."""
+    idx, targets = batch
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16):
+        logits = model(input_ids=idx, use_cache=False).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def llama_workload(tiny: bool = False, batch: int | None = None, seed: int = 0, lr: float = 1e-4) -> Workload:
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        raise Unavailable(f"transformers is not installed ({exc})") from None
+    shape = TINY if tiny else BENCH
+    cfg = LlamaConfig(**shape, rms_norm_eps=1e-5, tie_word_embeddings=False, use_cache=False,
+                      attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.train()
+    seq, size = (TINY_SEQ, batch or TINY_BATCH) if tiny else (SEQ, batch or BATCH)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (size, seq + 1), generator=gen)
+    data = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    info = {"config": dict(shape), "batch_size": size, "seq": seq, "loss": "bf16 autocast, fp32 cross-entropy",
+            **parameter_count(model)}
+    return Workload("llama" + ("-tiny" if tiny else ""), model, llama_loss, data,
+                    OptimizerSpec(torch.optim.AdamW, {"lr": lr}), info)

@@ -1,0 +1,240 @@
+"""What every system in the benchmark shares: the workload, the result record, timing, memory, OOM.
+
+A *workload* is one model + loss + batch + optimizer, built so that every
+system starts from the same weights (a canonical CPU model, copied to the
+device per system). A *peer* is a function ``run(workload, steps, ...) ->
+PeerResult``: it builds its own copy of the model, runs ``warmup + steps``
+training steps, and reports step times, losses, peak GPU memory and bytes
+moved, or the OOM / error that stopped it. Results are plain dataclasses so
+they go straight into the suite's JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import logging
+import math
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+OK, OOM, INFEASIBLE, ERROR, TIMEOUT, NOT_INSTALLED, SKIPPED = (
+    "ok", "oom", "infeasible", "error", "timeout", "not installed", "skipped")
+
+
+@dataclass
+class OptimizerSpec:
+    """An optimizer factory that also says its class and options (DeepSpeed / torchao need them apart)."""
+
+    cls: type = torch.optim.AdamW
+    kwargs: dict = field(default_factory=lambda: {"lr": 1e-4})
+
+    def __call__(self, params) -> torch.optim.Optimizer:
+        return self.cls(params, **self.kwargs)
+
+    @property
+    def name(self) -> str:
+        return self.cls.__name__
+
+
+@dataclass
+class Workload:
+    name: str
+    model: nn.Module  # canonical weights, on the CPU: every system starts from a copy of these
+    loss_fn: Callable  # loss_fn(model, batch) -> scalar tensor
+    batch: Any  # CPU tensors; moved to the device by each system
+    optimizer: OptimizerSpec
+    info: dict = field(default_factory=dict)  # config facts for the JSON (parameters, batch shape, ...)
+
+    def fresh_model(self, device) -> nn.Module:
+        """A copy of the canonical model on ``device`` (deepcopy keeps tied weights and every buffer)."""
+        return copy.deepcopy(self.model).to(device)
+
+    def batch_on(self, device):
+        return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, self.batch)
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def parameter_count(model: nn.Module) -> dict:
+    seen, total, train = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        train += p.numel() if p.requires_grad else 0
+    return {"parameters": total, "trainable_parameters": train}
+
+
+@dataclass
+class PeerResult:
+    system: str
+    status: str = OK
+    error: str | None = None
+    step_s: list[float] = field(default_factory=list)  # timed steps (after warmup)
+    first_step_s: float | None = None  # warmup step: allocator growth, autotuning, arena allocation
+    losses: list[float] = field(default_factory=list)  # every step's loss, warmup included
+    peak_allocated: int | None = None  # torch.cuda.max_memory_allocated over the run; None on CPU
+    peak_reserved: int | None = None  # torch.cuda.max_memory_reserved (what the caching allocator held)
+    bytes_h2d: int | None = None  # per step, where knowable
+    bytes_d2h: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def stats(self) -> dict:
+        times = sorted(self.step_s)
+        if not times:
+            return {"step_s_median": None, "step_s_min": None, "step_s_max": None, "step_s_spread": None}
+        med = statistics.median(times)
+        return {"step_s_median": med, "step_s_min": times[0], "step_s_max": times[-1],
+                # relative spread (max - min) / median: how much to trust a difference between rows
+                "step_s_spread": (times[-1] - times[0]) / med if med > 0 else 0.0}
+
+    def row(self) -> dict:
+        out = asdict(self)
+        extra = out.pop("extra")
+        return {**out, **self.stats(), **extra}
+
+
+# -- device helpers -----------------------------------------------------------------------------
+
+def is_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def sync(device) -> None:
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def release_memory(device) -> None:
+    """Free what the last system left (cycles included) and reset the peak counters for the next."""
+    gc.collect()
+    if is_cuda(device) and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        # pinned host blocks (save_on_cpu, turnip's CPU storage) stay cached by torch otherwise,
+        # and a suite of large models would pile them up in host memory
+        host_empty_cache = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty_cache is not None:
+            host_empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def record_peaks(result: PeerResult, device) -> None:
+    if is_cuda(device) and torch.cuda.is_available():
+        result.peak_allocated = int(torch.cuda.max_memory_allocated(device))
+        result.peak_reserved = int(torch.cuda.max_memory_reserved(device))
+
+
+def is_oom(exc: BaseException) -> bool:
+    oom_type = getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    return isinstance(exc, (RuntimeError, MemoryError)) and "out of memory" in str(exc).lower()
+
+
+def describe(exc: BaseException, limit: int = 600) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+# -- time limits --------------------------------------------------------------------------------
+
+class TimeLimitExceeded(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None):
+    """Raise TimeLimitExceeded in the main thread after ``seconds`` (SIGALRM); no-op elsewhere.
+
+    Lets one slow system (a long compile, a stuck step) be recorded as a timeout while the
+    suite goes on to the next, inside the device's per-command limit. The engine's loop
+    drains in-flight work before re-raising, so it stays usable.
+    """
+    usable = (seconds is not None and seconds > 0 and hasattr(signal, "setitimer")
+              and threading.current_thread() is threading.main_thread())
+    if not usable:
+        yield
+        return
+
+    def on_alarm(_signum, _frame):
+        raise TimeLimitExceeded(f"time limit of {seconds:.0f}s reached")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# -- the measured loop --------------------------------------------------------------------------
+
+def timed_steps(result: PeerResult, step: Callable[[], torch.Tensor], steps: int, device, warmup: int = 1,
+                deadline: float | None = None) -> None:
+    """Run warmup + steps calls of ``step`` (one training step returning its loss); fill times and losses.
+
+    synchronize + perf_counter around each step: the step's whole wall time, host work
+    included (turnip's loop is host-driven, so CUDA events alone would flatter it).
+    Stops early, keeping what it has, when ``deadline`` (time.monotonic()) passes.
+    """
+    for i in range(warmup + steps):
+        if deadline is not None and time.monotonic() > deadline and i > warmup:
+            result.extra["truncated"] = f"deadline after {i - warmup} timed steps"
+            log.warning("%s: deadline reached after %d timed steps", result.system, i - warmup)
+            break
+        sync(device)
+        t0 = time.perf_counter()
+        loss = step()
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        value = float(loss.detach().float().item()) if isinstance(loss, torch.Tensor) else float(loss)
+        result.losses.append(value)
+        if i < warmup:
+            result.first_step_s = elapsed
+        else:
+            result.step_s.append(elapsed)
+        log.info("%s step %d/%d: %.1f ms, loss %.5f", result.system, i + 1 - warmup, steps, elapsed * 1e3, value)
+        if not math.isfinite(value):
+            log.warning("%s: non-finite loss at step %d", result.system, i)
+
+
+def guarded(result: PeerResult, device, body: Callable[[], None], limit_s: float | None = None) -> PeerResult:
+    """Run ``body`` (which fills ``result``), turning OOM, time limits and errors into the result's status.
+
+    The exception and its traceback (which hold the step's tensors) are dropped before the
+    memory is released, so the next system starts from an empty device.
+    """
+    status, error = OK, None
+    release_memory(device)
+    try:
+        with time_limit(limit_s):
+            body()
+    except TimeLimitExceeded as exc:
+        status, error = TIMEOUT, str(exc)
+    except Exception as exc:
+        status, error = (OOM if is_oom(exc) else ERROR), describe(exc)
+        if status == ERROR:
+            log.exception("%s failed", result.system)
+    record_peaks(result, device)
+    if status != OK:
+        result.status, result.error = status, error
+        log.warning("%s: %s (%s)", result.system, status, error)
+    release_memory(device)
+    return result

@@ -1,0 +1,141 @@
+"""turnip itself, run like a peer: memgraph.compile under a budget, then engine.run per step.
+
+Besides the peers' fields it records compile time (apart from step time), the
+MemGraph's facts (arena, vertices, bytes planned each way), the simulator's
+prediction of the step, and turnip's *floor*: the step cannot be faster than
+max(compute incl. recompute, bytes in / H2D bandwidth, bytes out / D2H bandwidth).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from turnip.bench.peers.common import (
+    INFEASIBLE,
+    PeerResult,
+    Workload,
+    guarded,
+    is_cuda,
+    release_memory,
+    timed_steps,
+    trainable,
+)
+from turnip.engine.sim import simulate, step_floor, transfer_bytes
+from turnip.memgraph.memgraph import Kind
+
+from turnip import engine, memgraph
+
+log = logging.getLogger(__name__)
+
+
+def budget_argument(budget: float, eager_peak: int | None) -> tuple[int | float, str]:
+    """What memgraph.compile gets: bytes of the measured eager peak when known, else the fraction itself
+    (then compile reads it as a fraction of the traced step's unplanned peak)."""
+    if eager_peak:
+        return max(1, int(budget * eager_peak)), "eager peak"
+    return float(budget), "unplanned peak"
+
+
+def compute_counts(mg) -> tuple[int, int]:
+    """(compute vertices in the MemGraph, those that are not recomputed copies)."""
+    tg = mg.taskgraph
+    total = recomputed = 0
+    for mv in mg.vertices:
+        if mv.kind is Kind.COMPUTE:
+            total += 1
+            if 0 <= mv.task_vertex < len(tg.vertices) and tg.vertices[mv.task_vertex].recompute_of >= 0:
+                recomputed += 1
+    return total, total - recomputed
+
+
+def floor_and_sim(mg, device, eager_step_s: float | None, sim_trace: Path | None) -> dict:
+    """The floor and the simulator's step time. On CUDA the cost model measures op times and the link
+    (cached on disk); elsewhere there is no link to measure and the analytic rates describe some other
+    device, so the compute estimate is eager's step time scaled by the recompute share."""
+    from turnip.planners.costs import CostModel
+
+    out: dict = {}
+    costs = CostModel(device=str(mg.device))
+    tg = mg.taskgraph
+    if any(v.time <= 0 for v in tg.vertices):
+        costs.annotate(tg)
+    fl = step_floor(mg, costs)
+    total, original = compute_counts(mg)
+    eager_compute = eager_step_s * total / max(original, 1) if eager_step_s else None
+    if is_cuda(device):
+        compute, basis = fl["compute"], "cost model (measured)"
+        link = (fl["h2d"], fl["d2h"])
+        out.update(h2d_bandwidth=costs.h2d_bandwidth, d2h_bandwidth=costs.d2h_bandwidth)
+    else:
+        compute, basis = eager_compute, "eager step x recompute share (no link on the CPU)"
+        link = (None, None)
+    parts = [x for x in (compute, *link) if x is not None]
+    out.update(floor_s=max(parts) if parts else None, floor_compute_s=compute, floor_h2d_s=link[0],
+               floor_d2h_s=link[1], floor_basis=basis, floor_compute_eager_s=eager_compute,
+               floor_compute_model_s=fl["compute"], recompute_vertices=total - original)
+    sim = simulate(mg, costs, backend="cuda")  # the CUDA engine's model, whatever device compiled it
+    out.update(sim_step_s=sim.step_time, sim_compute_idle_s=sim.compute_idle,
+               sim_basis="cost model (measured)" if is_cuda(device) else "analytic H100-class cost model")
+    if sim_trace is not None:
+        sim.write_trace(sim_trace, mg, meta={"budget": mg.plan.gpu_budget})
+        out["sim_trace"] = str(sim_trace)
+    return out
+
+
+def run(workload: Workload, device, steps: int, budget: float, eager_peak: int | None = None,
+        eager_step_s: float | None = None, warmup: int = 1, deadline: float | None = None,
+        limit_s: float | None = None, trace_path: str | Path | None = None, planner: str = "auto") -> PeerResult:
+    result = PeerResult("turnip")
+    arg, basis = budget_argument(budget, eager_peak)
+    result.extra.update(budget=budget, budget_bytes=arg if isinstance(arg, int) else None, budget_basis=basis,
+                        planner_requested=planner)
+
+    def body():
+        # the canonical CPU model is only read by the trace; its weights go into the arena at the first run
+        model = workload.model
+        optimizer = workload.optimizer(trainable(model))
+        batch = workload.batch_on(device)
+        t0 = time.perf_counter()
+        try:
+            mg = memgraph.compile(model, workload.loss_fn, batch, optimizer=optimizer, budget=arg, device=device,
+                                  planner=planner)
+        except memgraph.InfeasibleBudget as exc:
+            result.status, result.error = INFEASIBLE, str(exc)[:600]
+            result.extra["compile_s"] = time.perf_counter() - t0
+            return
+        result.extra["compile_s"] = time.perf_counter() - t0
+        summary = mg.summary()
+        result.extra.update(
+            arena_bytes=mg.arena_bytes, cpu_bytes=mg.cpu_bytes, vertices=summary["vertices"],
+            planned_bytes_offloaded=summary["bytes_offloaded"], planned_bytes_reloaded=summary["bytes_reloaded"],
+            planner=summary["planner"], predicted_time_s=summary["predicted_time"],
+            unplanned_peak=mg.stats.get("unplanned_peak"))
+        if result.extra["budget_bytes"] is None:
+            result.extra["budget_bytes"] = int(mg.plan.gpu_budget)
+        log.info("turnip @ %s: compiled in %.1fs, arena %.1f MiB, %d vertices", budget, result.extra["compile_s"],
+                 mg.arena_bytes / 2**20, summary["vertices"])
+        release_memory(device)  # compile may have measured ops on the device: count the steps only
+        timed_steps(result, lambda: engine.run(mg, batch)["loss"], steps, device, warmup=warmup, deadline=deadline)
+        result.bytes_h2d, result.bytes_d2h = transfer_bytes(mg)
+        if trace_path is not None:  # one more (untimed) step, traced; its failure must not cost the timings
+            try:
+                engine.run(mg, batch, trace=trace_path)
+                result.extra["trace"] = str(trace_path)
+            except Exception as exc:  # noqa: BLE001 - includes the time limit running out here
+                log.warning("turnip traced step failed: %r", exc)
+                result.extra["trace_error"] = repr(exc)[:300]
+        try:
+            sim_trace = Path(str(trace_path).removesuffix(".json") + ".sim.json") if trace_path else None
+            result.extra.update(floor_and_sim(mg, device, eager_step_s, sim_trace))
+        except Exception as exc:  # noqa: BLE001 - the measured steps stand without their floor (time limit too)
+            log.warning("turnip floor/simulation failed: %r", exc)
+            result.extra["floor_error"] = repr(exc)[:300]
+
+    result = guarded(result, device, body, limit_s)
+    budget_bytes = result.extra.get("budget_bytes")
+    if result.peak_allocated is not None and budget_bytes:
+        result.extra["fits_budget"] = result.peak_allocated <= budget_bytes
+    return result
+

@@ -1,0 +1,227 @@
+"""PNG figures from the benchmark JSON: step time vs memory budget, one step's timeline per stream, the ablation.
+
+    python -m turnip.bench plots [--results DIR]      # redraw every figure from DIR's JSON files
+
+Matplotlib with the Agg backend (no display needed); every function takes plain
+rows / trace files and writes one PNG, so figures can be redrawn from saved JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+log = logging.getLogger(__name__)
+
+COLORS = {"eager": "black", "checkpoint": "tab:blue", "offload": "tab:orange", "checkpoint_offload": "tab:green",
+          "deepspeed": "tab:purple", "torchao": "tab:brown", "torchtune": "tab:pink", "turnip": "tab:red"}
+KIND_COLORS = {"compute": "tab:blue", "copy": "tab:cyan", "reload": "tab:green", "input": "tab:olive",
+               "offload": "tab:orange", "output": "tab:gray"}
+
+
+def _ok(row: dict) -> bool:
+    return row.get("status") == "ok" and row.get("step_s_median") is not None
+
+
+def plot_step_time_vs_budget(rows: list[dict], path: str | Path, title: str = "") -> Path:
+    """turnip's step time at each budget (fraction of eager's peak) beside every peer's.
+
+    Peers have no budget knob: each is a horizontal line at its step time, with a marker
+    at the GPU memory it measured (as a fraction of eager's peak) where that is known.
+    """
+    fig, ax = plt.subplots(figsize=(9.5, 4.8))
+    eager = next((r for r in rows if r["system"] == "eager" and _ok(r)), None)
+    eager_peak = eager.get("peak_allocated") if eager else None
+    turnip = sorted((r for r in rows if r["system"] == "turnip"), key=lambda r: r.get("budget") or 0)
+    xs = [r["budget"] for r in turnip if _ok(r)]
+    for row in rows:
+        if row["system"] == "turnip" or not _ok(row):
+            continue
+        color = COLORS.get(row["system"], None)
+        y = row["step_s_median"] * 1e3
+        ax.axhline(y, color=color, lw=1, ls="--", alpha=0.7)
+        frac = row["peak_allocated"] / eager_peak if eager_peak and row.get("peak_allocated") else None
+        label = f"{row['system']}" + (f" (peak {frac:.2f})" if frac else " (no budget knob)")
+        if frac:
+            ax.errorbar([frac], [y], yerr=[[y - row["step_s_min"] * 1e3], [row["step_s_max"] * 1e3 - y]],
+                        fmt="s", color=color, label=label, capsize=3)
+        else:
+            ax.plot([], [], ls="--", color=color, label=label)
+    if xs:
+        ys = [r["step_s_median"] * 1e3 for r in turnip if _ok(r)]
+        lo = [y - r["step_s_min"] * 1e3 for y, r in zip(ys, (r for r in turnip if _ok(r)))]
+        hi = [r["step_s_max"] * 1e3 - y for y, r in zip(ys, (r for r in turnip if _ok(r)))]
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", color=COLORS["turnip"], lw=2, capsize=3, label="turnip")
+        floors = [(r["budget"], r["floor_s"] * 1e3) for r in turnip if _ok(r) and r.get("floor_s")]
+        if floors:
+            ax.plot(*zip(*floors), ":", color=COLORS["turnip"], alpha=0.6, label="turnip floor")
+        sims = [(r["budget"], r["sim_step_s"] * 1e3) for r in turnip if _ok(r) and r.get("sim_step_s")]
+        if sims:
+            basis = next((r.get("sim_basis") for r in turnip if r.get("sim_basis")), "")
+            label = "turnip simulated" + (" (analytic H100 costs)" if "analytic" in basis else "")
+            ax.plot(*zip(*sims), "x", color=COLORS["turnip"], alpha=0.6, label=label)
+    failed = [r for r in turnip if not _ok(r)]
+    for r in failed:  # infeasible / OOM / timeout budgets: marked on the axis with their status
+        ax.annotate(r.get("status", "?"), (r.get("budget") or 0, 0), xycoords=("data", "axes fraction"),
+                    xytext=(0, 4), textcoords="offset points", ha="center", fontsize=7, color="tab:red", rotation=90)
+    ax.set_xlabel("GPU memory budget (fraction of eager's measured peak)" if eager_peak
+                  else "GPU memory budget (fraction of the unplanned peak)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(0, 1.1 * max([1.0, *xs]))
+    ax.set_title(title or "step time vs memory budget")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the failed budgets sit low
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def read_trace(path: str | Path) -> tuple[list[str], list[tuple[str, float, float, str]]]:
+    """(lanes in display order, slices as (lane, start_ms, duration_ms, kind)) from a Chrome trace."""
+    doc = json.loads(Path(path).read_text())
+    names, order = {}, {}
+    slices = []
+    for e in doc["traceEvents"]:
+        key = (e.get("pid"), e.get("tid"))
+        if e["ph"] == "M" and e["name"] == "thread_name":
+            names[key] = e["args"]["name"] + (f" @{e['pid']}" if e.get("pid") else "")
+        elif e["ph"] == "M" and e["name"] == "thread_sort_index":
+            order[key] = e["args"]["sort_index"]
+        elif e["ph"] == "X":
+            slices.append((key, e["ts"] / 1e3, e["dur"] / 1e3, e.get("cat", "")))
+    lanes = sorted(names, key=lambda k: order.get(k, 0))
+    return [names[k] for k in lanes], [(names.get(k, str(k)), s, d, c) for k, s, d, c in slices]
+
+
+def _has_times(slices) -> bool:
+    """False for traces whose backend reported no timestamps (the CUDA backend's launch-ahead completions
+    carry 0.0, which lands before the step's origin): drawing those would show nothing true."""
+    if not slices or any(s < 0 for _, s, _, _ in slices):
+        return False
+    return sum(1 for _, _, d, _ in slices if d > 0) >= len(slices) // 2
+
+
+def plot_timeline(traces: dict[str, str | Path], path: str | Path, title: str = "") -> Path | None:
+    """One panel per trace (e.g. {"measured": engine trace, "simulated": sim trace}), a row per stream."""
+    panels = []
+    for label, trace in traces.items():
+        if trace is None or not Path(trace).exists():
+            continue
+        lanes, slices = read_trace(trace)
+        if not _has_times(slices):
+            log.info("%s trace %s has no timestamps; not drawn", label, trace)
+            continue
+        panels.append((label, lanes, slices))
+    if not panels:
+        return None
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 1.2 + 0.45 * sum(len(p[1]) for p in panels) + len(panels)),
+                             squeeze=False)
+    for ax, (label, lanes, slices) in zip(axes[:, 0], panels):
+        row = {name: i for i, name in enumerate(lanes)}
+        bars = defaultdict(list)
+        for lane, start, dur, kind in slices:
+            bars[(lane, kind)].append((start, max(dur, 1e-6)))
+        seen = set()
+        for (lane, kind), spans in bars.items():
+            ax.broken_barh(spans, (row.get(lane, 0) - 0.4, 0.8), color=KIND_COLORS.get(kind, "tab:purple"),
+                           label=kind if kind not in seen else None)
+            seen.add(kind)
+        ax.set_yticks(range(len(lanes)))
+        ax.set_yticklabels(lanes, fontsize=8)
+        ax.invert_yaxis()
+        end = max(s + d for _, s, d, _ in slices)
+        ax.set_xlim(0, end * 1.01)
+        ax.set_xlabel("ms from the start of the step")
+        ax.set_title(f"{title} ({label})" if title else label, fontsize=9)
+        ax.legend(fontsize=7, loc="upper right", ncol=len(seen))
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_ablation(rows: list[dict], path: str | Path, title: str = "") -> Path:
+    """Simulated step time of both orderings vs noise level: median and 10-90% band, per graph,
+    normalised by the nondeterministic step without noise."""
+    graphs = sorted({r["graph"] for r in rows})
+    fig, axes = plt.subplots(1, len(graphs), figsize=(4.2 * len(graphs), 3.6), squeeze=False)
+    for ax, graph in zip(axes[0], graphs):
+        mine = [r for r in rows if r["graph"] == graph]
+        base = [r["step_time"] for r in mine if r["ordering"] == "nondeterministic" and r["jitter"] == 0]
+        norm = base[0] if base else 1.0
+        for ordering, color in (("nondeterministic", "tab:red"), ("deterministic", "tab:blue")):
+            by_jitter = defaultdict(list)
+            for r in mine:
+                if r["ordering"] == ordering:
+                    by_jitter[r["jitter"]].append(r["step_time"] / norm)
+            js = sorted(by_jitter)
+            med = [_quantile(by_jitter[j], 0.5) for j in js]
+            ax.plot(js, med, "o-", color=color, label=ordering)
+            ax.fill_between(js, [_quantile(by_jitter[j], 0.1) for j in js], [_quantile(by_jitter[j], 0.9) for j in js],
+                            color=color, alpha=0.2)
+        ax.set_title(graph, fontsize=9)
+        ax.set_xlabel("duration noise (lognormal sigma)")
+        ax.set_ylabel("step time / nondeterministic at no noise")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _quantile(values: list[float], q: float) -> float:
+    v = sorted(values)
+    if not v:
+        return math.nan
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def load_suite_rows(folder: str | Path) -> dict[str, list[dict]]:
+    """Rows of every suite_*.json in ``folder`` by model; a later file's row replaces an earlier one's
+    for the same (system, budget), so results split over several commands merge."""
+    by_model: dict[str, dict] = defaultdict(dict)
+    for file in sorted(Path(folder).glob("suite_*.json"), key=lambda p: p.stat().st_mtime):
+        doc = json.loads(file.read_text())
+        for row in doc.get("rows", []):
+            by_model[row["model"]][(row["system"], row.get("budget"))] = row
+    return {model: list(rows.values()) for model, rows in by_model.items()}
+
+
+def redraw(folder: str | Path) -> list[Path]:
+    """Every figure that the JSON in ``folder`` supports."""
+    folder = Path(folder)
+    out = []
+    for model, rows in load_suite_rows(folder).items():
+        out.append(plot_step_time_vs_budget(rows, folder / f"{model}_step_time.png", title=model))
+    for trace in sorted(folder.glob("trace_*.json")):
+        if trace.name.endswith(".sim.json"):
+            continue
+        sim = trace.with_name(trace.name.removesuffix(".json") + ".sim.json")
+        png = plot_timeline({"measured": trace, "simulated": sim}, trace.with_suffix(".png"),
+                            title=trace.stem.removeprefix("trace_"))
+        if png:
+            out.append(png)
+    for file in sorted(folder.glob("ablation*.json")):
+        doc = json.loads(file.read_text())
+        if doc.get("sim_rows"):
+            out.append(plot_ablation(doc["sim_rows"], file.with_suffix(".png"), title=file.stem))
+    return out

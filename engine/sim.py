@@ -1,0 +1,371 @@
+"""Discrete-event simulation of one MemGraph step under the engine's own resource model.
+
+    res = engine.simulate(mg, costs, jitter=0.1, ordering="deterministic", seed=3)
+    res.step_time, res.compute_idle, res.bytes_h2d, res.timeline   # [(vertex, stream, start, end), ...]
+    res.write_trace("sim.json", mg)                                 # the same Chrome trace engine.run writes
+
+No hardware and no second scheduler: the loop's ``Scheduler`` with the real
+StreamPool / WorkspacePool / LockTable decides every launch, exactly as
+``engine.loop.drive`` does; only the clock is virtual. What the model assumes:
+
+- Durations. A compute vertex takes its TaskGraph vertex's ``time`` (else the
+  cost model's estimate); a transfer (reload, offload, input, output) takes its
+  bytes over the bandwidth of its direction; a COPY (arena to arena) reads and
+  writes its bytes at HBM speed. ``overhead`` adds a constant per vertex. With
+  ``jitter`` = sigma > 0 each duration is multiplied by exp(sigma*Z - sigma^2/2)
+  (lognormal, mean 1, so noise levels compare at equal expected work).
+- Sharing. Vertices running at the same time on one *pool* share its rate
+  equally (processor sharing): h2d and d2h are separate pools (full-duplex link,
+  each direction at its own bandwidth, concurrently) or one pool when
+  ``duplex=False``; two h2d streams moving at once each get half the link. All
+  compute streams of a device share one compute pool: a big kernel fills the
+  GPU alone, so more compute streams give the loop more choice, not more speed.
+- Launch-ahead (CUDA backend, engine/cuda.py). A compute vertex is reported
+  complete to the loop when it is launched, while its stream holds fewer than
+  ``launch_ahead`` unreported-finished vertices; it queues FIFO on its stream and
+  really starts when the stream is free and every predecessor has really
+  finished (cudaStreamWaitEvent). Transfers are reported when really finished.
+  A vertex launched early behind a slow one (an offload after a queued kernel)
+  holds its stream instance from launch to report, as on the device.
+- Not modelled: the loop's host time per vertex (use ``overhead``), kernel
+  launch latency, PCIe contention with anything else, CPU-side work.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+from turnip.engine.errors import StallError
+from turnip.engine.loop import Record, Scheduler, StaticGraph
+from turnip.engine.policy import Policy, make_policy
+from turnip.engine.resources import LockTable, StreamPool, WorkspacePool, stream_counts
+from turnip.engine.runtime import arena_devices, workspace_capacity
+from turnip.engine.trace import write_trace
+from turnip.memgraph.memgraph import Kind, MemGraph, Stream
+
+log = logging.getLogger(__name__)
+
+# Same figures as planners.costs.H100 (kept here so the simulator needs no planner module).
+DEFAULT_BANDWIDTH = 50e9  # pinned host <-> device bytes/s, each direction
+DEFAULT_HBM = 3e12  # device memory bytes/s, for COPY vertices
+CUDA_LAUNCH_AHEAD = 16  # engine.cuda.DEFAULT_DEPTH (not imported: that module is the CUDA backend)
+
+
+class Span(NamedTuple):
+    """One vertex on the timeline: which stream instance ran it, from when to when (seconds)."""
+
+    vertex: int
+    stream: str  # "compute 0", "h2d 1", ... ("... @dev" on devices other than 0)
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    step_time: float  # seconds from the first launch to the last vertex's end
+    compute_busy: float  # seconds some compute vertex ran (summed over devices)
+    compute_idle: float  # step_time per device minus compute_busy: the GPU waiting on transfers or order
+    h2d_busy: float  # seconds the host->device link moved something
+    d2h_busy: float
+    bytes_h2d: int  # reloads + batch inputs
+    bytes_d2h: int  # offloads + outputs
+    ordering: str
+    seed: int
+    jitter: float
+    timeline: list[Span] = field(default_factory=list, repr=False)
+    launch_order: list[int] = field(default_factory=list, repr=False)
+    launched_at: list[float] = field(default_factory=list, repr=False)  # loop launch time per vertex
+    records: list[Record] = field(default_factory=list, repr=False)  # engine.loop Records, for traces
+    keys: list = field(default_factory=list, repr=False)
+    instances: dict = field(default_factory=dict, repr=False)
+
+    def summary(self) -> dict:
+        """The scalar results (what a benchmark row stores)."""
+        return {"step_time": self.step_time, "compute_busy": self.compute_busy, "compute_idle": self.compute_idle,
+                "h2d_busy": self.h2d_busy, "d2h_busy": self.d2h_busy, "bytes_h2d": self.bytes_h2d,
+                "bytes_d2h": self.bytes_d2h, "ordering": self.ordering, "seed": self.seed, "jitter": self.jitter}
+
+    def write_trace(self, path: str | Path, mg: MemGraph, meta: dict | None = None) -> Path:
+        """A Chrome/Perfetto trace through engine/trace.py's writer (times are simulated)."""
+        return write_trace(path, mg, self.records, self.keys, 0.0, instances=self.instances,
+                           meta={"simulated": True, **self.summary(), **(meta or {})})
+
+
+# -- durations ---------------------------------------------------------------------------------
+
+def link_bandwidths(costs: Any = None, bandwidth: Any = None) -> tuple[float, float]:
+    """(h2d, d2h) bytes/s: ``bandwidth`` (one number, (h2d, d2h) or {"h2d":, "d2h":}), else the cost model's."""
+    if bandwidth is None:
+        if costs is not None and hasattr(costs, "h2d_bandwidth"):
+            return float(costs.h2d_bandwidth), float(costs.d2h_bandwidth)
+        return DEFAULT_BANDWIDTH, DEFAULT_BANDWIDTH
+    if isinstance(bandwidth, Mapping):
+        return float(bandwidth["h2d"]), float(bandwidth["d2h"])
+    if isinstance(bandwidth, (tuple, list)):
+        return float(bandwidth[0]), float(bandwidth[1])
+    return float(bandwidth), float(bandwidth)
+
+
+def moved_bytes(mg: MemGraph, vid: int) -> int:
+    """Bytes a transfer or COPY moves: the values' own sizes (the places may be padded to alignment)."""
+    mv = mg.vertices[vid]
+    places = mv.reads if mv.reads else mv.writes
+    values = mg.taskgraph.values
+    total = 0
+    for value, place in places.items():
+        total += values[value].nbytes if 0 <= value < len(values) else place.nbytes
+    return int(total)
+
+
+def direction(mv) -> str | None:
+    """'h2d' / 'd2h' for vertices that cross the link, None for those that stay on the device."""
+    if mv.kind in (Kind.RELOAD, Kind.INPUT):
+        return "h2d"
+    if mv.kind in (Kind.OFFLOAD, Kind.OUTPUT):
+        return "d2h"
+    return None
+
+
+def nominal_durations(mg: MemGraph, costs: Any = None, bandwidth: Any = None, overhead: float = 0.0) -> list[float]:
+    """Seconds per MemGraph vertex before noise.
+
+    costs: None (TaskGraph vertex.time), a mapping {MemGraph vertex id: seconds} that overrides
+    any vertex, or a cost model (planners.costs.CostModel: estimate(tg, vertex), h2d_bandwidth,
+    d2h_bandwidth, spec.mem_bw) used where a compute vertex carries no time.
+    """
+    override = costs if isinstance(costs, Mapping) else {}
+    model = None if isinstance(costs, Mapping) else costs
+    h2d, d2h = link_bandwidths(model, bandwidth)
+    hbm = float(getattr(getattr(model, "spec", None), "mem_bw", DEFAULT_HBM))
+    tg = mg.taskgraph
+    out = []
+    untimed = 0
+    for mv in mg.vertices:
+        if mv.id in override:
+            out.append(float(override[mv.id]))
+            continue
+        way = direction(mv)
+        if way is not None:
+            t = moved_bytes(mg, mv.id) / (h2d if way == "h2d" else d2h)
+        elif mv.kind is Kind.COPY:
+            t = 2 * moved_bytes(mg, mv.id) / hbm
+        elif 0 <= mv.task_vertex < len(tg.vertices):
+            tv = tg.vertices[mv.task_vertex]
+            t = float(tv.time)
+            if t <= 0 and model is not None:
+                t = float(model.estimate(tg, tv)[0])
+            untimed += t <= 0
+        else:
+            t = 0.0
+        out.append(t + overhead)
+    if untimed and untimed == sum(1 for mv in mg.vertices if mv.kind is Kind.COMPUTE):
+        log.warning("no compute vertex carries a time: the simulation counts transfers only "
+                    "(annotate with planners.costs.CostModel().annotate(mg.taskgraph) or pass costs=)")
+    return out
+
+
+def transfer_bytes(mg: MemGraph) -> tuple[int, int]:
+    """(bytes host->device, bytes device->host) one step moves: reloads + inputs, offloads + outputs."""
+    b_in = sum(moved_bytes(mg, mv.id) for mv in mg.vertices if direction(mv) == "h2d")
+    b_out = sum(moved_bytes(mg, mv.id) for mv in mg.vertices if direction(mv) == "d2h")
+    return b_in, b_out
+
+
+def step_floor(mg: MemGraph, costs: Any = None, bandwidth: Any = None) -> dict:
+    """Lower bound on the step: max(compute incl. recompute and copies, bytes in / H2D bw, bytes out / D2H bw)."""
+    durations = nominal_durations(mg, costs, bandwidth)
+    h2d, d2h = link_bandwidths(None if isinstance(costs, Mapping) else costs, bandwidth)
+    compute = sum(d for mv, d in zip(mg.vertices, durations) if mv.stream is Stream.COMPUTE)
+    b_in, b_out = transfer_bytes(mg)
+    parts = {"compute": compute, "h2d": b_in / h2d, "d2h": b_out / d2h}
+    return {**parts, "floor": max(parts.values()), "bytes_h2d": b_in, "bytes_d2h": b_out}
+
+
+# -- the simulation ------------------------------------------------------------------------------
+
+class _Lane:
+    """One stream instance: launched vertices in FIFO order, the one running, launch-ahead counters."""
+
+    __slots__ = ("early", "name", "pool", "queue", "reported", "running", "unreported")
+
+    def __init__(self, name: str, pool: tuple, early: bool):
+        self.name, self.pool, self.early = name, pool, early
+        self.queue: collections.deque[int] = collections.deque()  # launched, not started
+        self.running = -1
+        self.reported = 0  # early-reported vertices not yet finished
+        self.unreported: collections.deque[int] = collections.deque()
+
+
+class _Sim:
+    EPS = 1e-15  # seconds: remaining work below this counts as done (float residue of the sharing)
+
+    def __init__(self, mg: MemGraph, sched: Scheduler, durations: list[float], duplex: bool, depth: int):
+        self.mg, self.s, self.dur, self.depth = mg, sched, durations, depth
+        g = sched.g
+        self.g = g
+        self.pending = list(g.indegree)  # predecessors not really finished
+        self.lanes: dict[tuple[int, int], _Lane] = {}
+        self.lane_of: list[_Lane | None] = [None] * g.n
+        self.reported = bytearray(g.n)
+        self.launched_at = [math.nan] * g.n
+        self.start = [math.nan] * g.n
+        self.end = [math.nan] * g.n
+        self.remaining = [0.0] * g.n
+        self.active: dict[tuple, list[int]] = collections.defaultdict(list)  # pool -> running vertices
+        self.busy: dict[tuple, float] = collections.defaultdict(float)
+        self.duplex = duplex
+        self.completions: collections.deque[int] = collections.deque()
+        self.finished = 0
+        self.now = 0.0
+
+    def _lane(self, key: int, inst: int) -> _Lane:
+        lane = self.lanes.get((key, inst))
+        if lane is None:
+            stream, dev = self.g.keys[key]
+            pool_name = stream.value if (self.duplex or stream is Stream.COMPUTE) else "link"
+            name = f"{stream.value} {inst}" + (f" @{dev}" if dev else "")
+            lane = _Lane(name, (pool_name, dev), stream is Stream.COMPUTE and self.depth > 0)
+            self.lanes[(key, inst)] = lane
+        return lane
+
+    # the loop side: launches and reports, in the order engine.loop.drive processes them
+    def _launch_all(self, launches) -> None:
+        for item in launches:
+            vid = item.vertex
+            lane = self._lane(item.key, item.instance)
+            self.lane_of[vid] = lane
+            self.launched_at[vid] = self.now
+            lane.queue.append(vid)
+            if lane.early:
+                if lane.reported < self.depth:
+                    lane.reported += 1
+                    self._report(vid)
+                else:
+                    lane.unreported.append(vid)
+
+    def _report(self, vid: int) -> None:
+        self.reported[vid] = 1
+        self.completions.append(vid)
+
+    def _drain(self) -> None:
+        while self.completions:
+            self._launch_all(self.s.complete(self.completions.popleft()))
+        self._start_ready()
+
+    # the device side: lanes start their head when its predecessors are done, pools share rates
+    def _start_ready(self) -> None:
+        for lane in self.lanes.values():
+            if lane.running < 0 and lane.queue and self.pending[lane.queue[0]] == 0:
+                vid = lane.queue.popleft()
+                lane.running = vid
+                self.start[vid] = self.now
+                self.remaining[vid] = self.dur[vid]
+                self.active[lane.pool].append(vid)
+
+    def _finish(self, vid: int) -> None:
+        lane = self.lane_of[vid]
+        lane.running = -1
+        self.end[vid] = self.now
+        self.finished += 1
+        for s in self.g.succs[vid]:
+            self.pending[s] -= 1
+        if self.reported[vid]:
+            lane.reported -= 1
+        else:  # transfers report when done (as engine/cuda.py's poll: reported vertices are the older ones)
+            if lane.unreported and lane.unreported[0] == vid:
+                lane.unreported.popleft()
+            self._report(vid)
+        while lane.early and lane.unreported and lane.reported < self.depth:
+            lane.reported += 1
+            self._report(lane.unreported.popleft())
+
+    def run(self) -> None:
+        self._launch_all(self.s.start())
+        self._drain()
+        n = self.g.n
+        while self.finished < n:
+            pools = [(pool, vids) for pool, vids in self.active.items() if vids]
+            if not pools:
+                stuck = self.s.stuck()
+                raise StallError(f"simulated stall: {len(stuck)} of {n} vertices can never run "
+                                 f"(nothing ready, nothing in flight)\n{self.s.explain_stuck(self.mg)}", stuck)
+            # the next event: the pool whose least-remaining vertex ends first at its shared rate
+            first, dt = -1, math.inf
+            for _, vids in pools:
+                for v in vids:
+                    t = self.remaining[v] * len(vids)
+                    if t < dt:
+                        first, dt = v, t
+            self.now += dt
+            done = []
+            for pool, vids in pools:
+                self.busy[pool] += dt
+                share = dt / len(vids)
+                keep = []
+                for v in vids:
+                    left = self.remaining[v] - share
+                    self.remaining[v] = left
+                    (done if v == first or left <= self.EPS else keep).append(v)
+                vids[:] = keep
+            for v in sorted(done):
+                self._finish(v)
+            self._drain()
+        if not self.s.finished:  # every vertex ran, so the loop must agree
+            raise RuntimeError("simulation ended with the scheduler not finished")
+
+
+def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str | Policy = "nondeterministic",
+             seed: int = 0, streams: dict | None = None, bandwidth: Any = None, *, duplex: bool = True,
+             backend: str = "cuda", launch_ahead: int | None = None, overhead: float = 0.0) -> SimResult:
+    """Simulate one step of ``mg``; see the module docstring for the model.
+
+    costs: None (TaskGraph vertex.time), {MemGraph vertex id: seconds}, or a planners.costs.CostModel.
+    jitter: sigma of the lognormal noise on every duration (0: exact). seed: noise and random ordering.
+    ordering: "nondeterministic", "deterministic", "random" or a Policy, as in engine.run.
+    streams: stream instances per class ({"compute": 1, "h2d": 2}); defaults are the backend's.
+    bandwidth: bytes/s, one number or (h2d, d2h) or {"h2d":, "d2h":}; default the cost model's, else 50 GB/s.
+    duplex: False puts both directions on one shared link. backend: "cuda" or "cpu" (stream counts,
+    launch-ahead). launch_ahead: unreported compute vertices per stream (None: backend default, 0: off).
+    overhead: seconds added to every vertex (the loop's per-vertex host cost).
+    """
+    if jitter < 0:
+        raise ValueError(f"jitter is the lognormal sigma and must be >= 0, got {jitter}")
+    policy = make_policy(ordering, seed)
+    graph = StaticGraph(mg)
+    counts = stream_counts(backend, streams)
+    pool = StreamPool([counts[stream] for stream, _ in graph.keys])
+    ws = WorkspacePool(workspace_capacity(mg, arena_devices(mg)))
+    sched = Scheduler(graph, policy.ranks(mg), policy.strict, pool, ws, LockTable())
+    durations = nominal_durations(mg, costs, bandwidth, overhead)
+    if jitter > 0:
+        z = np.random.default_rng(seed).standard_normal(len(durations))
+        durations = (np.asarray(durations) * np.exp(jitter * z - jitter * jitter / 2)).tolist()
+    depth = (CUDA_LAUNCH_AHEAD if backend == "cuda" else 0) if launch_ahead is None else int(launch_ahead)
+    sim = _Sim(mg, sched, durations, duplex, depth)
+    sim.run()
+
+    timeline = sorted((Span(v, sim.lane_of[v].name, sim.start[v], sim.end[v]) for v in range(graph.n)),
+                      key=lambda s: (s.start, s.vertex))
+    inst_of = {id(lane): k for k, lane in sim.lanes.items()}
+    records = [Record(v, inst_of[id(sim.lane_of[v])][0], inst_of[id(sim.lane_of[v])][1], sim.start[v], sim.end[v],
+                      True) for v in range(graph.n)]
+    step = max(sim.end, default=0.0)
+    busy = collections.Counter()
+    for (name, _dev), t in sim.busy.items():
+        busy[name] += t
+    n_compute_devices = len({dev for name, dev in sim.busy if name == "compute"}) or 1
+    link_in = busy["h2d"] + busy["link"] if not duplex else busy["h2d"]
+    b_in, b_out = transfer_bytes(mg)
+    return SimResult(
+        step_time=step, compute_busy=busy["compute"], compute_idle=step * n_compute_devices - busy["compute"],
+        h2d_busy=link_in, d2h_busy=busy["d2h"] if duplex else link_in, bytes_h2d=b_in, bytes_d2h=b_out,
+        ordering=policy.name, seed=seed, jitter=jitter, timeline=timeline, launch_order=list(sched.launch_order),
+        launched_at=sim.launched_at, records=records, keys=list(graph.keys),
+        instances={k: n for k, n in enumerate(pool.sizes)})

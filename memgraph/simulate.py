@@ -1,0 +1,401 @@
+"""The simulation behind BuildMemGraph (turnip-paper §6, Figures 8-9) for variable-size tensors.
+
+Two horizons walk the steps of `schedule.Schedule`. The allocation horizon
+reserves arena bytes for outputs of steps ahead of execution for as long as
+free bytes allow, so the runtime may run vertices out of the serial order;
+the execution horizon "runs" a step: reloads its evicted inputs, emits its
+MemGraph vertex, frees what nobody reads again. When bytes must be found
+(the step to run now), the contiguous window whose occupants are needed the
+latest is cleared: reservations of later steps are revoked first (free),
+then values are offloaded (once: values are immutable, a CPU copy stays
+valid) and their later uses renamed to a reload. Every writer of a byte
+range waits (memory edge) for the readers of the range's previous occupants,
+so every edge points forward in the serial order: acyclic and race-free.
+
+If clearing fails because of fragmentation, the arena is flushed (everything
+evicted) and the step's inputs and outputs packed from scratch, so any budget
+with room for the GPU homes plus the largest single step always builds when
+CPU storage is unbounded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from turnip.memgraph.alloc import START, RangeAllocator, Tenancy, wait_for
+from turnip.memgraph.memgraph import Edge, Kind, MemGraph, Place, Stream
+from turnip.memgraph.reduce import reduce_memory_edges
+from turnip.memgraph.schedule import OUT, TASK, Schedule
+from turnip.memgraph.taskgraph import TaskGraph, ValueKind
+from turnip.planners.plan import Plan
+
+UNBOUNDED = 1 << 60  # pinned CPU storage limit when the plan sets none
+
+
+class OutOfMemory(Exception):
+    """This budget does not work (resource: "gpu", "cpu", or "cpu-homes")."""
+    def __init__(self, resource: str, step: int):
+        super().__init__(resource, step)
+        self.resource, self.step = resource, step
+
+
+class NeedFlush(Exception):
+    """No window can be cleared without touching what the current step pins."""
+
+
+class Simulation:
+    def __init__(self, tg: TaskGraph, order: list[int], plan: Plan, alignment: int, gpu_budget: int,
+                 sched: Schedule | None = None, compact: bool = False):
+        self.tg, self.plan, self.alignment, self.compact = tg, plan, alignment, compact
+        self.sched = sched = sched or Schedule(tg, order, plan, alignment)
+        self.size, self.uses = sched.size, sched.uses
+        self.mg = MemGraph(taskgraph=tg, plan=plan, alignment=alignment, device=tg.device)
+        nvals = len(tg.values)
+        self.cur: list[Tenancy | None] = [None] * nvals  # arena copy of each value
+        self.pre: list[Tenancy | None] = [None] * nvals  # reservation for an output not yet produced
+        self.cpu: list[Tenancy | None] = [None] * nvals  # CPU copy (temporary slot or home)
+        self.nidx = [0] * nvals  # index in uses[v] of v's next use
+        self.entered = [False] * nvals  # batch value copied in by its INPUT vertex
+        self.home_t: dict[int, Tenancy] = {}  # persistent value -> tenancy of its home
+        self.data: set[tuple[int, int]] = set()
+        self.memory: set[tuple[int, int]] = set()
+        self.stats: Counter = Counter()
+        self.now = 0
+        self.cpu_short = False  # an offload found no room in pinned CPU storage
+        self.alloc_step = 0  # the allocation horizon
+        nsteps = len(sched.steps)
+        self.pre_cost = nsteps + 1  # a reservation is cheaper to clear than any resident value
+        self.free_cost = 3 * (nsteps + 2)
+        capacity = (gpu_budget - sched.max_workspace) // alignment * alignment
+        cpu_limit = UNBOUNDED if plan.cpu_budget is None else plan.cpu_budget // alignment * alignment
+        self._place_homes(capacity, cpu_limit)
+
+    # -- homes -------------------------------------------------------------------------
+    def _place_homes(self, capacity: int, cpu_limit: int) -> None:
+        sched, values = self.sched, self.tg.values
+        offset = 0
+        for v in range(len(values)):
+            if sched.gpu_home[v]:
+                home = Tenancy(v)
+                home.start, home.end, home.writer, home.home = offset, offset + self.size[v], START, True
+                home.place = Place("gpu", offset, self.size[v])
+                offset = home.end
+                self.home_t[v] = self.cur[v] = home
+        if capacity < offset:
+            raise OutOfMemory("gpu", -1)
+        # fresh bytes first (fewest dependencies), or, compact, reuse first (smallest arena)
+        self.gpu = RangeAllocator(offset, capacity, "gpu", fresh_time=UNBOUNDED if self.compact else -1,
+                                  two_sided=True)
+        self.cpu_alloc = RangeAllocator(0, cpu_limit, "cpu", fresh_time=UNBOUNDED, two_sided=False)
+        for v in range(len(values)):
+            if sched.cpu_home[v]:
+                home = Tenancy(v)
+                at = self.cpu_alloc.find_fit(self.size[v])
+                if at is None:
+                    raise OutOfMemory("cpu-homes", -1)
+                self.cpu_alloc.alloc(at, self.size[v], home)
+                home.writer, home.home = START, True
+                self.home_t[v] = self.cpu[v] = home
+        for v, home in self.home_t.items():
+            self.mg.homes[v] = home.place
+
+    # -- the two horizons (paper Figure 8) ----------------------------------------------
+    def run(self) -> MemGraph:
+        started = time.perf_counter()
+        steps = self.sched.steps
+        n = len(steps)
+        e = 0
+        while e < n:
+            a = self.alloc_step
+            if a < n and (a == e or not self.compact) and self._reserve_ahead(a):
+                self.alloc_step = a + 1
+                continue
+            self._execute(e)
+            e += 1
+            self.alloc_step = max(self.alloc_step, e)
+        self.stats["seconds_simulate"] = time.perf_counter() - started
+        self.gpu.close()
+        self.cpu_alloc.close()
+        return self._finish()
+
+    def _reserve_ahead(self, s: int) -> bool:
+        step = self.sched.steps[s]
+        if step[0] != TASK:
+            return True
+        for o in self.sched.outputs[step[1]]:
+            if self.pre[o] is None:
+                at = self.gpu.find_fit(self.size[o])
+                if at is None:
+                    return False
+                t = Tenancy(o, step=s)
+                t.pending = wait_for(self.gpu.alloc(at, self.size[o], t))
+                self.gpu.set_cost(t, self.pre_cost + s)
+                self.pre[o] = t
+                self.stats["reservations"] += 1
+        return True
+
+    def _execute(self, s: int) -> None:
+        self.now = s
+        step = self.sched.steps[s]
+        try:
+            self._prepare(s, step)
+        except NeedFlush:
+            self._flush()
+            try:
+                self._prepare(s, step)
+            except NeedFlush:
+                raise OutOfMemory("cpu" if self.cpu_short else "gpu", s) from None
+        if step[0] == TASK:
+            self._run_task(s, step[1])
+        elif step[0] == OUT:
+            self._run_output(step[1], step[2])
+        else:
+            self._run_writeback(step[1], step[2])
+
+    def _prepare(self, s: int, step: tuple) -> None:
+        """Make every value the step reads resident and every output reserved."""
+        if step[0] == TASK:
+            reads, outs = self.sched.inputs[step[1]], self.sched.outputs[step[1]]
+        else:
+            reads, outs = [step[2]], []
+        cur, pre = self.cur, self.pre
+        if all(cur[x] is not None for x in reads) and all(pre[o] is not None for o in outs):
+            return  # the common case: everything is in place already
+        pinned = {t for t in (self.cur[x] for x in reads) if t is not None}
+        pinned.update(t for t in (self.pre[o] for o in outs) if t is not None)
+        for o in outs:
+            if self.pre[o] is None:
+                t = Tenancy(o, step=s)
+                self._place(t, pinned)
+                self.gpu.set_cost(t, self.pre_cost + s)
+                self.pre[o] = t
+                pinned.add(t)
+        for x in reads:
+            pinned.add(self._resident(x, pinned))
+
+    # -- simMalloc / simMallocForceReld / simMallocOffld --------------------------------
+    def _place(self, t: Tenancy, pinned: set) -> None:
+        """Find arena bytes for t now, clearing a window if nothing is free."""
+        size = self.size[t.value]
+        at = self.gpu.find_fit(size)
+        stuck: set[Tenancy] = set()  # victims pinned CPU storage has no room for
+        while at is None:
+            at = self.gpu.best_window(size, pinned | stuck if stuck else pinned, self.free_cost)
+            if at is None:
+                raise NeedFlush
+            for victim in self.gpu.occupants(at, at + size):
+                if victim.writer is None:
+                    self._revoke(victim)
+                elif not self._evict(victim):
+                    stuck.add(victim)
+            if stuck and self.gpu.occupants(at, at + size):
+                at = self.gpu.find_fit(size)  # what was evicted may have made room elsewhere
+        t.pending = wait_for(self.gpu.alloc(at, size, t))
+
+    def _revoke(self, t: Tenancy) -> None:
+        self.gpu.revoke(t)
+        self.pre[t.value] = None
+        self.alloc_step = min(self.alloc_step, t.step)
+        self.stats["revoked_reservations"] += 1
+
+    def _evict(self, t: Tenancy) -> bool:
+        """Free t's bytes, offloading its value first unless a CPU copy exists; False if
+        pinned CPU storage has no room for the copy (t stays)."""
+        v = t.value
+        if self.cpu[v] is None:
+            if not self._offload(v, t):
+                return False
+            self.stats["offloads_evicted"] += 1
+        self.gpu.free(t, self.now)
+        self.cur[v] = None
+        self.stats["evictions"] += 1
+        return True
+
+    def _flush(self) -> None:
+        """Fragmentation fallback: clear the whole arena (homes excepted; values pinned CPU storage
+        has no room for stay)."""
+        self.stats["flushes"] += 1
+        for t in self.gpu.tenancies():
+            if t.writer is None:
+                self._revoke(t)
+            else:
+                self._evict(t)
+
+    def _offload(self, v: int, t: Tenancy) -> bool:
+        """Copy v from its arena tenancy t into a fresh pinned CPU slot; False if none is free."""
+        at = self.cpu_alloc.find_fit(self.size[v])
+        if at is None:
+            at = self._reclaim_cpu(self.size[v])
+        if at is None:
+            self.cpu_short = True
+            return False
+        slot = Tenancy(v)
+        history = self.cpu_alloc.alloc(at, self.size[v], slot)
+        mid = self.mg.add_vertex(Kind.OFFLOAD, Stream.D2H, value=v, reads={v: t.place}, writes={v: slot.place})
+        self._read(t, mid)
+        self._wait(wait_for(history), mid)
+        slot.writer = mid
+        self.cpu[v] = slot
+        return True
+
+    def _reclaim_cpu(self, size: int) -> int | None:
+        """Pinned storage is full: drop CPU copies of values that are in the arena too (a later
+        eviction offloads them again), largest first, until ``size`` bytes fit."""
+        copies = [self.cpu[t.value] for t in self.gpu.tenancies() if t.writer is not None]
+        copies = sorted((c for c in copies if c is not None and not c.home), key=lambda c: c.start - c.end)
+        for slot in copies:
+            self.cpu_alloc.free(slot, self.now)
+            self.cpu[slot.value] = None
+            self.stats["cpu_copies_reclaimed"] += 1
+            at = self.cpu_alloc.find_fit(size)
+            if at is not None:
+                return at
+        return None
+
+    def _resident(self, v: int, pinned: set) -> Tenancy:
+        """v's arena tenancy, reloading it (or copying a batch input in) when needed."""
+        t = self.cur[v]
+        if t is not None:
+            return t
+        t = Tenancy(v)
+        self._place(t, pinned)
+        if self.tg.values[v].kind is ValueKind.BATCH and not self.entered[v]:
+            self.entered[v] = True
+            mid = self.mg.add_vertex(Kind.INPUT, Stream.H2D, value=v, writes={v: t.place})
+            self.stats["inputs"] += 1
+        else:
+            slot = self.cpu[v]
+            if slot is None:
+                raise AssertionError(f"value {v} is needed but is neither in the arena nor in CPU storage")
+            mid = self.mg.add_vertex(Kind.RELOAD, Stream.H2D, value=v, reads={v: slot.place}, writes={v: t.place})
+            self._read(slot, mid)
+            self.stats["reloads"] += 1
+        self._wait(t.pending, mid)
+        t.pending, t.writer = [], mid
+        self.gpu.set_cost(t, self._next_use(v))
+        self.cur[v] = t
+        return t
+
+    # -- running steps ------------------------------------------------------------------
+    def _run_task(self, s: int, vid: int) -> None:
+        vertex = self.tg.vertices[vid]
+        ins, outs = self.sched.inputs[vid], self.sched.outputs[vid]
+        mid = self.mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE, task_vertex=vid,
+                                 reads={x: self.cur[x].place for x in ins},
+                                 writes={o: self.pre[o].place for o in outs}, workspace=vertex.workspace)
+        for x in ins:
+            self._read(self.cur[x], mid)
+        for o in outs:
+            t = self.pre[o]
+            self.pre[o] = None
+            self._wait(t.pending, mid)
+            t.pending, t.writer = [], mid
+            self.gpu.set_cost(t, self._next_use(o))
+            self.cur[o] = t
+        for x in ins:
+            self._used(x)
+        for o in outs:
+            if not self.uses[o]:
+                self._drop(o)
+            elif o in self.sched.offload_after and self._offload(o, self.cur[o]):
+                self.stats["offloads_planned"] += 1  # (without room in pinned storage it just stays)
+        for v in self.sched.release_at.get(s, ()):
+            t = self.cur[v]
+            if t is not None and self.cpu[v] is not None and self.nidx[v] < len(self.uses[v]):
+                self.gpu.free(t, self.now)
+                self.cur[v] = None
+
+    def _run_output(self, name: str, v: int) -> None:
+        t = self.cur[v]
+        mid = self.mg.add_vertex(Kind.OUTPUT, Stream.D2H, value=v, name=name, reads={v: t.place})
+        self._read(t, mid)
+        self._used(v)
+
+    def _run_writeback(self, src: int, dst: int) -> None:
+        """Put the updated value dst where src lives between steps, once src's readers are done."""
+        t = self.cur[dst]
+        home = self.home_t[src]
+        if self.sched.gpu_home[src]:
+            mid = self.mg.add_vertex(Kind.COPY, Stream.COMPUTE, value=dst, reads={dst: t.place},
+                                     writes={dst: home.place})
+            self.stats["copies"] += 1
+            self.cur[src] = None
+        else:
+            mid = self.mg.add_vertex(Kind.OFFLOAD, Stream.D2H, value=dst, reads={dst: t.place},
+                                     writes={dst: home.place})
+            self.stats["offloads_writeback"] += 1
+            self.cpu[src] = None
+        self._read(t, mid)
+        self._wait(wait_for([home]), mid)
+        new = Tenancy(dst)
+        new.writer, new.home = mid, True
+        if self.sched.gpu_home[src]:
+            new.start, new.end, new.place = home.start, home.end, home.place
+        else:
+            self.cpu_alloc.replace(home, new)
+            old = self.cpu[dst]
+            if old is not None and not old.home:
+                self.cpu_alloc.free(old, self.now)
+            if old is None or not old.home:
+                self.cpu[dst] = new  # a later reload of dst may read its home
+        self.home_t[src] = new
+        self._used(dst)
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def _read(self, t: Tenancy, mid: int) -> None:
+        if t.writer is not None and t.writer >= 0:
+            self.data.add((t.writer, mid))
+        t.readers.append(mid)
+
+    def _wait(self, preds: list[int], mid: int) -> None:
+        for p in preds:
+            self.memory.add((p, mid))
+
+    def _next_use(self, v: int) -> int:
+        uses, k = self.uses[v], self.nidx[v]
+        return uses[k] if k < len(uses) else self.pre_cost - 1
+
+    def _used(self, v: int) -> None:
+        self.nidx[v] += 1
+        if self.nidx[v] >= len(self.uses[v]):
+            self._drop(v)
+        elif self.cur[v] is not None and not self.cur[v].home:
+            self.gpu.set_cost(self.cur[v], self.uses[v][self.nidx[v]])
+
+    def _drop(self, v: int) -> None:
+        """Nobody reads v again: its arena bytes and CPU copy are free (homes stay)."""
+        t = self.cur[v]
+        if t is not None and not t.home:
+            self.gpu.free(t, self.now)
+            self.cur[v] = None
+        slot = self.cpu[v]
+        if slot is not None and not slot.home:
+            self.cpu_alloc.free(slot, self.now)
+            self.cpu[v] = None
+
+    def _finish(self) -> MemGraph:
+        mg = self.mg
+        n = len(mg.vertices)
+        started = time.perf_counter()
+        kept, dropped = reduce_memory_edges(n, self.data, self.memory)
+        self.stats["seconds_reduce"] = time.perf_counter() - started
+        # edges sorted by (destination, source), packed into ints so the sort is cheap
+        packed = [(d * n + s) * 2 for s, d in self.data]
+        packed.extend((d * n + s) * 2 + 1 for s, d in kept)
+        packed.sort()
+        kinds = (Edge.DATA, Edge.MEMORY)
+        mg.edges = [((k >> 1) % n, (k >> 1) // n, kinds[k & 1]) for k in packed]
+        mg.serial = list(range(n))
+        mg.arena_bytes = max(self.gpu.high, self.sched.home_bytes)
+        mg.cpu_bytes = self.cpu_alloc.high
+        mg.stats.update(self.stats)
+        mg.stats.update({
+            "peak_cpu_bytes": self.cpu_alloc.peak_live,
+            "peak_arena_bytes": self.gpu.peak_live + self.sched.home_bytes,
+            "edges_removed_by_reduction": dropped,
+            "memory_edges_before_reduction": len(self.memory),
+            "gpu_home_bytes": self.sched.home_bytes,
+            "workspace_bytes": self.sched.max_workspace,
+        })
+        return mg

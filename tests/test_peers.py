@@ -1,0 +1,137 @@
+"""Benchmark peers on the CPU with tiny models: same losses as eager, failures become rows; the suite end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from turnip.bench.models.sizes import make_workload
+from turnip.bench.peers import PEERS, checkpoint, eager, offload, turnip_system
+from turnip.bench.peers.common import PeerResult, guarded, time_limit, timed_steps
+
+STEPS = 2
+TORCH_PEERS = ("checkpoint", "offload", "checkpoint_offload")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads; OpenMP spinning on a busy 2-core CI box costs 10-100x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return make_workload("gpt350m", tiny=True)
+
+
+@pytest.fixture(scope="module")
+def gpt_eager(gpt):
+    res = eager.run(gpt, "cpu", STEPS)
+    assert res.status == "ok" and len(res.losses) == STEPS + 1
+    return res
+
+
+@pytest.mark.parametrize("system", TORCH_PEERS)
+def test_peer_losses_match_eager_on_tiny_gpt(gpt, gpt_eager, system):
+    res = PEERS[system](gpt, "cpu", STEPS)
+    assert res.status == "ok", res.error
+    assert res.losses == pytest.approx(gpt_eager.losses, rel=1e-6, abs=1e-6)
+    assert res.losses[0] != res.losses[-1]  # the optimizer really stepped
+    assert len(res.step_s) == STEPS and res.first_step_s is not None
+    assert res.peak_allocated is None and res.peak_reserved is None  # no GPU memory on the CPU
+
+
+@pytest.mark.parametrize("name", ["lora1.3b", "llama"])
+def test_peer_losses_match_eager_on_lora_and_llama(name):
+    if name == "llama":
+        pytest.importorskip("transformers")
+    workload = make_workload(name, tiny=True)
+    want = eager.run(workload, "cpu", 1).losses
+    res = offload.run_checkpoint_offload(workload, "cpu", 1)  # both mechanisms at once: the costliest to get right
+    assert res.status == "ok", res.error
+    assert res.losses == pytest.approx(want, rel=1e-6, abs=1e-6)
+
+
+def test_offload_counts_bytes_each_way(gpt):
+    plain = offload.run(gpt, "cpu", 1)
+    both = offload.run_checkpoint_offload(gpt, "cpu", 1)
+    assert plain.bytes_d2h > 0 and plain.bytes_h2d == plain.bytes_d2h  # everything saved comes back once
+    assert 0 < both.bytes_d2h < plain.bytes_d2h  # checkpointing leaves one input per block to offload
+
+
+def test_checkpoint_wraps_every_block(gpt):
+    model = gpt.fresh_model("cpu")
+    assert checkpoint.checkpoint_blocks(model) == gpt.model.cfg.n_layers
+    assert set(model.state_dict()) == set(gpt.model.state_dict())  # keys unchanged: forward is patched in place
+
+
+def test_failures_become_statuses():
+    def oom():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def broken():
+        raise ValueError("boom")
+
+    def spin():
+        while True:
+            pass
+
+    assert guarded(PeerResult("x"), "cpu", oom).status == "oom"
+    res = guarded(PeerResult("x"), "cpu", broken)
+    assert res.status == "error" and "boom" in res.error
+    assert guarded(PeerResult("x"), "cpu", spin, limit_s=0.05).status == "timeout"
+    with time_limit(None):  # no limit: a no-op
+        pass
+
+
+def test_deadline_truncates_steps():
+    res = PeerResult("x")
+    timed_steps(res, lambda: torch.tensor(1.0), steps=50, device="cpu", warmup=1, deadline=0.0)
+    assert len(res.step_s) == 1 and "truncated" in res.extra
+
+
+def test_optional_peers_report_absence(gpt):
+    for system in ("deepspeed", "torchao", "torchtune"):
+        res = PEERS[system](gpt, "cpu", 1)
+        assert res.status in ("not installed", "skipped")
+        assert res.error
+
+
+def test_budget_argument():
+    assert turnip_system.budget_argument(0.5, 1000) == (500, "eager peak")
+    assert turnip_system.budget_argument(0.5, None) == (0.5, "unplanned peak")
+
+
+def test_suite_tiny_end_to_end(tmp_path):
+    from turnip.bench.__main__ import main
+
+    assert main(["suite", "--tiny", "--steps", "1", "--systems", "eager,checkpoint,turnip", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "suite_gpt350m-tiny.json").read_text())
+    for key in ("device", "torch", "commit", "model", "rows", "workload"):
+        assert key in doc
+    rows = {(r["system"], r["budget"]): r for r in doc["rows"]}
+    for key in [("eager", None), ("checkpoint", None), ("turnip", 1.0), ("turnip", 0.5)]:
+        assert rows[key]["status"] == "ok", (key, rows[key].get("error"))
+        assert rows[key]["step_s_median"] > 0 and rows[key]["peak_allocated"] is None
+    turnip = rows[("turnip", 0.5)]
+    assert turnip["compile_s"] > 0 and turnip["budget_basis"] == "unplanned peak"
+    assert turnip["loss_max_abs_diff_vs_eager"] == 0.0  # CPU backend: bitwise eager numbers
+    assert turnip["sim_step_s"] > 0 and turnip["floor_s"] > 0
+    assert (tmp_path / "trace_gpt350m-tiny.json").exists() and (tmp_path / "trace_gpt350m-tiny.sim.json").exists()
+    pytest.importorskip("matplotlib")
+    for png in ("gpt350m-tiny_step_time.png", "gpt350m-tiny_timeline.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    assert main(["plots", "--results", str(tmp_path)]) == 0
+
+
+def test_ablation_synthetic_nondeterministic_wins():
+    from turnip.bench.ablation import summarize, sweep, synthetic_step
+
+    rows = sweep({"synthetic": synthetic_step(layers=6)}, [0.0, 0.2], seeds=3)
+    summary = {s["jitter"]: s for s in summarize(rows)}
+    assert summary[0.0]["det_over_nondet_median"] > 1.01  # prefetching optimizer states pays
+    assert summary[0.2]["seeds"] == 3

@@ -1,0 +1,425 @@
+"""Planners: the ILP against a brute force of the same cost model, against the greedy baseline,
+and real GPT graphs through plan -> build -> verify."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from turnip import planners
+from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
+from turnip.memgraph import trace
+from turnip.memgraph.taskgraph import TaskGraph, ValueKind
+from turnip.planners.costs import CostModel, DeviceSpec
+from turnip.planners.decode import from_solution, to_plan
+from turnip.planners.driver import builder_floor, make_problem
+from turnip.planners.greedy import greedy
+from turnip.planners.ilp import formulate, start_values
+from turnip.planners.memory import TIE_BREAK, Decisions, evaluate, need_times, structural_problems
+from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, step_order
+from turnip.planners.solver import solve
+
+from synthetic import random_taskgraph
+
+SLOW_LINK = DeviceSpec(name="slow link", h2d=2e6, d2h=2e6)  # transfers cost about as much as compute
+
+
+# -- tiny graphs -----------------------------------------------------------------------------------
+
+def tiny_step(rng: random.Random, layers: int, states: bool = True) -> TaskGraph:
+    """x -> layer_0 -> ... -> loss, backward mirrored, one parameter (and state) per layer.
+    Each layer sometimes has a cheap elementwise op after it and sometimes a skip connection, so
+    recomputation chains, multi-output ops and transient values all appear."""
+    tg = TaskGraph()
+
+    def val(nbytes, kind=ValueKind.INTERMEDIATE, name=""):
+        return tg.add_value((nbytes // 4,), (1,), "float32", nbytes, kind, name=name)
+
+    def vert(ins, outs, phase, t):
+        return tg.add_vertex("synthetic", tuple(tg.values[x].dense_ref for x in ins), outputs=tuple(outs),
+                             phase=phase, time=t)
+
+    def size():
+        return 64 * rng.randint(1, 32)
+
+    x = val(size(), ValueKind.BATCH, "batch:0")
+    params = [val(size(), ValueKind.PARAMETER, f"param:l{i}.w") for i in range(layers)]
+    st = {p: val(tg.values[p].nbytes, ValueKind.OPTIMIZER_STATE, f"opt:l{i}.w.m")
+          for i, p in enumerate(params) if states and rng.random() < 0.7}
+    h, saved, prev = x, [], None
+    for i, p in enumerate(params):
+        out = val(size())
+        extra = [val(64)] if rng.random() < 0.3 else []
+        ins = [h, p] + ([prev] if prev is not None and rng.random() < 0.3 else [])
+        vert(ins, [out] + extra, "forward", rng.uniform(1e-5, 1e-3))
+        saved.append((h, out, extra))
+        prev = h
+        h = out
+        if rng.random() < 0.5:  # a cheap elementwise op
+            act = val(size())
+            vert([h], [act], "forward", rng.uniform(1e-6, 2e-5))
+            h = act
+    loss = val(4)
+    vert([h], [loss], "forward", 1e-5)
+    tg.outputs["loss"] = loss
+    g = val(tg.values[h].nbytes)
+    vert([loss, h], [g], "backward", 1e-5)
+    grads = {}
+    for i in reversed(range(layers)):
+        inp, out, extra = saved[i]
+        gin, gp = val(tg.values[inp].nbytes), val(tg.values[params[i]].nbytes)
+        vert([g, inp, out, params[i]] + extra, [gin, gp], "backward", rng.uniform(1e-5, 2e-3))
+        grads[params[i]] = gp
+        g = gin
+    for p in params:
+        new_p = val(tg.values[p].nbytes)
+        if p in st:
+            new_s = val(tg.values[st[p]].nbytes)
+            vert([st[p], grads[p]], [new_s], "optimizer", 1e-5)
+            vert([p, new_s], [new_p], "optimizer", 1e-5)
+            tg.bindings[st[p]] = new_s
+        else:
+            vert([p, grads[p]], [new_p], "optimizer", 1e-5)
+        tg.bindings[p] = new_p
+    tg.validate()
+    return tg
+
+
+def synthetic_step(seed: int, n: int = 16) -> TaskGraph:
+    rng = random.Random(seed)
+    tg = random_taskgraph(rng, n_vertices=n, n_params=2, max_bytes=4096)
+    for v in tg.vertices:
+        v.time = rng.uniform(1e-6, 1e-3)
+    return tg
+
+
+def brute_force(problem) -> tuple[float, Decisions] | None:
+    """Every keep/offload/recompute choice per group and home per item, by the same evaluator."""
+    best = None
+    for kinds in itertools.product((KEEP, OFFLOAD, RECOMPUTE), repeat=len(problem.groups)):
+        at = need_times(problem, list(kinds))
+        if any(g.option(k, a) is None for g, k, a in zip(problem.groups, kinds, at)):
+            continue  # outside the option space whatever the homes (evaluate says so too)
+        for cpu in itertools.product((False, True), repeat=len(problem.items)):
+            dec = Decisions(list(kinds), list(cpu))
+            ev = evaluate(problem, dec)
+            if ev.feasible and (best is None or ev.objective < best[0] - 1e-15):
+                best = (ev.objective, dec)
+    return best
+
+
+def ilp_optimum(problem, warm: bool = True):
+    f = formulate(problem)
+    start = None
+    if warm:
+        dec, ev, _ = greedy(problem)
+        if ev.feasible:
+            start = start_values(problem, f, ev.options, dec.cpu, ev.window_time)
+    result = solve(f, start, time_limit=60, gap=1e-9)
+    if result.values is None:
+        return None, result, f
+    dec = from_solution(problem, f, result.values)
+    return evaluate(problem, dec), result, f
+
+
+def small_problems():
+    """(name, problem) pairs small enough to enumerate, with caps spread between the least memory
+    the planners can reach and what keeping everything takes, so every kind of choice binds."""
+    out = []
+    for seed in range(80):
+        rng = random.Random(seed)
+        if seed % 3:
+            tg = tiny_step(rng, layers=rng.randint(2, 4), states=rng.random() < 0.4)
+        else:
+            tg = synthetic_step(seed, n=rng.randint(10, 16))
+        kw = dict(costs=CostModel(spec=DeviceSpec(h2d=rng.choice([2e6, 2e7, 2e8]), d2h=rng.choice([2e6, 2e7, 2e8]))),
+                  alignment=64, windows=rng.choice([2, 3, 5]), headroom=1.0)
+        probe = make_problem(tg, 1 << 40, **kw)
+        if 3 ** len(probe.groups) * 2 ** len(probe.items) > 6000 or not probe.groups:
+            continue
+        most = evaluate(probe, Decisions.keep_all(probe)).peak
+        least = greedy(make_problem(tg, builder_floor(probe), **kw))[1].peak
+        frac = rng.choice([0.0, 0.2, 0.5, 0.8])
+        budget = int(least + frac * max(0, most - least)) + probe.max_workspace
+        out.append((f"seed{seed}-{frac}", make_problem(tg, max(budget, builder_floor(probe)), **kw)))
+    return out
+
+
+SMALL = small_problems()
+
+
+def test_enough_small_problems():
+    assert len(SMALL) >= 30
+    assert sum(1 for _, p in SMALL if len(p.groups) >= 3) >= 10
+    optima = [brute_force(p) for _, p in SMALL]
+    assert sum(o is not None for o in optima) >= 0.8 * len(SMALL)
+    chosen = {k for o in optima if o is not None for k in o[1].groups}
+    assert chosen == {KEEP, OFFLOAD, RECOMPUTE}  # every kind of decision is optimal somewhere
+    assert any(any(o[1].cpu) for o in optima if o is not None)
+
+
+@pytest.mark.parametrize("name,problem", SMALL, ids=[n for n, _ in SMALL])
+def test_ilp_matches_brute_force(name, problem):
+    want = brute_force(problem)
+    got, result, f = ilp_optimum(problem, warm=(hash(name) % 2 == 0))
+    if want is None:
+        assert got is None or not got.feasible, f"{name}: ILP found a plan the brute force says cannot exist"
+        return
+    assert got is not None and got.feasible, f"{name}: ILP found no plan ({result.status}); brute force {want[0]}"
+    assert got.objective == pytest.approx(want[0], rel=1e-7, abs=1e-12)
+    # the solver's objective is the evaluator's (in milliseconds)
+    assert result.objective * f.time_unit == pytest.approx(got.objective, rel=1e-6, abs=1e-12)
+
+
+def test_need_times_follow_recompute_chains():
+    rng = random.Random(3)
+    for _ in range(20):
+        tg = tiny_step(rng, layers=3)
+        problem = make_problem(tg, tg.live_peak(), costs=CostModel(spec=SLOW_LINK), alignment=64, windows=3)
+        kinds = [rng.choice((KEEP, OFFLOAD, RECOMPUTE)) for _ in problem.groups]
+        at = need_times(problem, kinds)
+        for gi, g in enumerate(problem.groups):
+            if kinds[gi] == KEEP:
+                assert at[gi] == -1
+                continue
+            demands = [g.n0] + [at[h] for h in problem.required_by[gi] if kinds[h] == RECOMPUTE]
+            assert at[gi] == min(demands)
+
+
+# -- the ILP against the greedy baseline ---------------------------------------------------------
+
+def suite():
+    graphs = []
+    for seed in range(6):
+        rng = random.Random(100 + seed)
+        graphs.append(("tiny", tiny_step(rng, layers=rng.randint(3, 6))))
+        graphs.append(("synthetic", synthetic_step(100 + seed, n=40)))
+    return graphs
+
+
+@pytest.mark.parametrize("frac", [0.8, 0.5, 0.3])
+@pytest.mark.parametrize("index", range(12))
+def test_ilp_never_worse_than_greedy(index, frac):
+    kind, tg = suite()[index]
+    costs = CostModel(spec=SLOW_LINK if index % 3 else DeviceSpec())
+    budget = int(frac * tg.live_peak(alignment=64))
+    problem = make_problem(tg, budget, costs=costs, alignment=64)
+    budget = max(budget, builder_floor(problem))
+    problem = make_problem(tg, budget, costs=costs, alignment=64)
+    g_dec, g_ev, _ = greedy(problem)
+    got, result, _ = ilp_optimum(problem)
+    if g_ev.feasible:
+        assert got is not None and got.feasible
+        assert got.objective <= g_ev.objective * (1 + 1e-9)
+        assert got.time <= g_ev.time * (1 + 2 * TIE_BREAK)
+    plan = planners.plan(tg, budget, costs=costs, alignment=64, time_limit=20)
+    if g_ev.feasible:
+        assert plan.stats["objective"] <= g_ev.objective * (1 + 1e-9)
+
+
+# -- plans on real graphs ------------------------------------------------------------------------
+
+def _traced(cfg: GPTConfig, batch: int) -> tuple[TaskGraph, int]:
+    """A traced step with analytic costs filled in, and its unplanned peak (workspace included)."""
+    model = GPT(cfg)
+    tg = trace(model, lm_loss, example_batch(cfg, batch=batch), optimizer=torch.optim.AdamW(model.parameters()))
+    CostModel(measure=False).annotate(tg)
+    return tg, tg.live_peak(alignment=64)
+
+
+@pytest.fixture(scope="module")
+def small_gpt():
+    return _traced(GPTConfig(), batch=2)  # bench/models/gpt.py's small GPT as configured by default
+
+
+@pytest.fixture(scope="module")
+def deep_gpt():
+    # deep enough that 10% of the peak is above the largest single op (the hidden MLP layer)
+    return _traced(GPTConfig(vocab=64, seq=64, d_model=32, n_layers=12), batch=8)
+
+
+def _build_and_verify(tg, plan):
+    build_mod = pytest.importorskip("turnip.memgraph.build", reason="memgraph.build is not in this checkout yet")
+    verify_mod = pytest.importorskip("turnip.memgraph.verify", reason="memgraph.verify is not in this checkout yet")
+    mg = build_mod.build(tg, plan, alignment=64)
+    assert verify_mod.verify(mg) == []
+    assert mg.arena_bytes + max((v.workspace for v in mg.taskgraph.vertices), default=0) <= plan.gpu_budget
+    return mg
+
+
+def _check_plan(tg, plan, budget):
+    assert plan.gpu_budget == budget
+    assert sorted(plan.order) == list(range(len(tg.vertices)))
+    assert plan.predicted_time > 0 and plan.predicted_peak <= budget
+    assert plan.stats["fits_model"]
+    mix = plan.stats
+    assert mix["bytes_offloaded"] + mix["bytes_recomputed"] + mix["bytes_weights_streamed"] + \
+        mix["bytes_states_streamed"] > 0
+    graph, order = plan.expand(tg)  # recomputation is well formed
+    assert len(order) == len(graph.vertices)
+
+
+@pytest.mark.parametrize("frac", [0.5, 0.25])
+def test_small_gpt_plans_build_and_verify(small_gpt, frac):
+    tg, peak = small_gpt
+    budget = int(frac * peak)
+    plan = planners.plan(tg, budget, time_limit=20, alignment=64)
+    _check_plan(tg, plan, budget)
+    _build_and_verify(tg, plan)
+
+
+def test_small_gpt_at_10_percent_is_refused_with_the_smallest_budget(small_gpt):
+    # The AdamW update of the 64 KiB tied embedding alone needs more than 10% of this step's peak
+    tg, peak = small_gpt
+    with pytest.raises(ValueError) as info:  # memgraph.build.InfeasibleBudget is a ValueError
+        planners.plan(tg, int(0.1 * peak), alignment=64)
+    floor = info.value.minimum
+    assert floor > 0.1 * peak and str(floor) in str(info.value)
+    plan = planners.plan(tg, floor, alignment=64, time_limit=20)  # and that budget is accepted
+    _build_and_verify(tg, plan)
+
+
+@pytest.mark.parametrize("frac", [0.5, 0.25, 0.1])
+def test_deep_gpt_plans_build_and_verify(deep_gpt, frac):
+    tg, peak = deep_gpt
+    budget = int(frac * peak)
+    plan = planners.plan(tg, budget, time_limit=20, alignment=64)
+    _check_plan(tg, plan, budget)
+    assert plan.planner == "ilp" and plan.stats["status"]
+    _build_and_verify(tg, plan)
+
+
+def test_slow_link_prefers_recomputation(deep_gpt):
+    tg, peak = deep_gpt
+    tg = tg.copy()
+    for v in tg.vertices:
+        v.time = 0.0
+    budget = int(0.25 * peak)
+    # transfers dominate this step: the ILP improves on greedy but does not close its gap quickly
+    plan = planners.plan(tg, budget, costs=CostModel(spec=SLOW_LINK), time_limit=4, alignment=64)
+    assert plan.recompute and plan.stats["bytes_recomputed"] > 0
+    for rc in plan.recompute:
+        assert tg.vertices[rc.vertex].phase == "forward"
+    _build_and_verify(tg, plan)
+
+
+def test_everything_fits_keeps_everything(small_gpt):
+    tg, peak = small_gpt
+    plan = planners.plan(tg, 2 * peak, alignment=64)  # twice: the plan keeps headroom for fragmentation
+    assert not plan.recompute and not plan.offload and not plan.home
+    assert plan.stats["reason"] == "everything fits"
+
+
+def test_method_greedy_and_unknown(small_gpt):
+    tg, peak = small_gpt
+    budget = int(0.3 * peak)
+    plan = planners.plan(tg, budget, method="greedy", alignment=64)
+    assert plan.planner == "greedy" and plan.stats["fits_model"]
+    with pytest.raises(ValueError):
+        planners.plan(tg, budget, method="magic")
+    with pytest.raises(TypeError):
+        planners.plan(tg, budget, colour="blue")
+
+
+def test_cpu_budget_is_respected(small_gpt):
+    tg, peak = small_gpt
+    budget = int(0.4 * peak)
+    free = planners.plan(tg, budget, alignment=64, time_limit=20)
+    pinned = free.stats["pinned_bytes"]
+    assert pinned > 0
+    for method in ("greedy", "ilp"):
+        tight = planners.plan(tg, budget, cpu_budget=pinned // 2, alignment=64, time_limit=20, method=method)
+        if tight.stats["fits_model"]:
+            assert tight.stats["pinned_bytes"] <= pinned // 2
+
+
+def test_optimizer_updates_follow_their_gradients(small_gpt):
+    tg, _ = small_gpt
+    order = step_order(tg)
+    pos = {v: i for i, v in enumerate(order)}
+    first_opt = min(pos[v.id] for v in tg.vertices if v.phase == "optimizer")
+    last_bwd = max(pos[v.id] for v in tg.vertices if v.phase == "backward")
+    assert first_opt < last_bwd  # interleaved, so gradients die early
+    for v in tg.vertices:  # still a topological order
+        for x in v.inputs():
+            prod = tg.values[x].producer
+            assert prod < 0 or pos[prod] < pos[v.id]
+
+
+def test_ilp_solution_decodes_to_plan(small_gpt):
+    tg, peak = small_gpt
+    problem = make_problem(tg, int(0.25 * peak), alignment=64)
+    ev, result, f = ilp_optimum(problem)
+    assert ev is not None and ev.feasible
+    plan = to_plan(problem, from_solution(problem, f, result.values), ev, "ilp", {})
+    assert plan.predicted_peak == ev.peak + problem.max_workspace
+    assert math.isclose(plan.predicted_time, ev.time)
+
+
+def test_ilp_without_a_solution_falls_back_to_greedy(small_gpt, monkeypatch):
+    from turnip.planners import solver as solver_mod
+
+    def nothing(f, start=None, **kwargs):
+        return solver_mod.SolveResult(values=None, status="Time limit reached", optimal=False)
+
+    monkeypatch.setattr(solver_mod, "solve", nothing)
+    tg, peak = small_gpt
+    plan = planners.plan(tg, int(0.4 * peak), alignment=64)
+    assert plan.planner == "greedy" and "no solution" in plan.stats["fallback"]
+    assert plan.stats["fits_model"]
+
+
+@pytest.mark.parametrize("name", SMALL_NAMES := [n for n, _ in SMALL[:6]])
+def test_cbc_agrees_with_highs(name):
+    problem = dict(SMALL)[name]
+    f = formulate(problem)
+    try:
+        cbc = solve(f, None, time_limit=20, gap=1e-9, solver="cbc")
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    highs = solve(f, None, time_limit=20, gap=1e-9)
+    assert (cbc.values is None) == (highs.values is None)
+    if cbc.values is not None:
+        assert evaluate(problem, from_solution(problem, f, cbc.values)).objective == pytest.approx(
+            evaluate(problem, from_solution(problem, f, highs.values)).objective, rel=1e-7)
+
+
+@pytest.mark.parametrize("how", ["ilp", "all_recompute"])
+def test_recomputing_plans_run_like_eager(how):
+    """Plans with recomputation (dropout included: random vertices replay their RNG state) build
+    and train bit for bit like eager PyTorch on the CPU backend."""
+    from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
+
+    from turnip import engine, memgraph
+    from turnip.memgraph.build import build
+
+    model, loss_fn, batches = make_case("gpt", dropout=0.1)
+    want_losses, want_state = eager_steps(model, loss_fn, batches, OPTIMIZERS["adamw"])
+    tg = trace(model, loss_fn, batches[0], optimizer=OPTIMIZERS["adamw"](trainable(model)), device="cpu")
+    costs = CostModel(spec=SLOW_LINK)
+    peak = CostModel(measure=False).annotate(tg.copy()).live_peak(alignment=64)
+    budget = int(0.3 * peak) if how == "ilp" else peak  # the second keeps weights on the GPU
+    if how == "ilp":
+        plan = planners.plan(tg, budget, costs=costs, time_limit=10, alignment=64)
+    else:  # every group that can be recomputed is, chains of in-place dropout ops included
+        problem = make_problem(tg, budget, costs=costs, alignment=64)
+        kinds = [KEEP] * len(problem.groups)
+        for gi, g in enumerate(problem.groups):
+            trial = kinds[:gi] + [RECOMPUTE] + kinds[gi + 1:]
+            if not structural_problems(problem, Decisions(trial, [False] * len(problem.items))):
+                kinds = trial
+        dec = Decisions(kinds, [False] * len(problem.items))
+        plan = to_plan(problem, dec, evaluate(problem, dec), "test", {})
+        assert any(tg.vertices[rc.vertex].random for rc in plan.recompute)
+    assert plan.recompute, "a slow link should make recomputation attractive"
+    mg = build(tg, plan, alignment=64)
+    mg.initial_state, mg.names, mg.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
+    assert memgraph.verify(mg) == []
+    torch.manual_seed(123)
+    losses = [engine.run(mg, b)["loss"].item() for b in batches]
+    assert losses == [x.item() for x in want_losses]
+    assert_same_state(mg.state_dict(), want_state)
