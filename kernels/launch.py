@@ -96,6 +96,19 @@ def _has_scalar_refs(template) -> bool:
     return False
 
 
+def writes_in_place(vertex: Vertex) -> bool:
+    """True when an engine runs the vertex straight into its output buffers (out= overload,
+    in-place op, or nothing to run), so it needs no scratch copy of its result."""
+    if vertex.copy_in or (vertex.op in UNINITIALIZED):
+        return True
+    if any(o < 0 for o in vertex.outputs):
+        return False
+    try:
+        return out_variant(vertex.op) is not None
+    except ValueError:  # not an ATen op (synthetic graphs): assume the worst
+        return False
+
+
 class PreparedVertex:
     """A vertex bound once to fixed input views and output buffers, for engines whose places never move.
 
@@ -122,8 +135,8 @@ class PreparedVertex:
         self.op = resolve_op(vertex.op)
         self.skip = vertex.op in UNINITIALIZED and not vertex.copy_in
         self.out_names: tuple[str, ...] = ()
-        variant = None if (vertex.copy_in or self.skip or any(o < 0 for o in vertex.outputs)) \
-            else out_variant(vertex.op)
+        variant = out_variant(vertex.op) if writes_in_place(vertex) and not (vertex.copy_in or self.skip) \
+            else None
         if variant is not None:
             self.op, self.out_names = variant
         self.dynamic = _has_scalar_refs(vertex.args) or _has_scalar_refs(vertex.kwargs)

@@ -144,7 +144,11 @@ class RangeAllocator:
     def set_cost(self, tenancy: Tenancy, cost: int) -> None:
         """How expendable the tenancy is (larger: evict sooner); it becomes an eviction candidate."""
         tenancy.cost = cost
-        heapq.heappush(self._heap, (-cost, next(self._seq), tenancy))
+        heap = self._heap
+        heapq.heappush(heap, (-cost, next(self._seq), tenancy))
+        if len(heap) > 4 * len(self._segs) + 1024:  # mostly stale entries: rebuild from the live ones
+            self._heap = [(-t.cost, next(self._seq), t) for t in self.tenancies()]
+            heapq.heapify(self._heap)
 
     # -- simMalloc --------------------------------------------------------------
     def find_fit(self, size: int) -> int | None:

@@ -38,6 +38,12 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     alignment = alignment or (256 if device.type == "cuda" else 64)
     started = time.perf_counter()
     tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device)
+    costs = planner_options.pop("costs", None)
+    if planner != "none":  # op times and workspace first: the unplanned peak includes workspace
+        from turnip.planners.costs import default_costs
+
+        costs = costs if costs is not None else default_costs(tg)
+        costs.annotate(tg)
     keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=alignment)
     peak = unplanned_peak(keep_all)
     gpu_budget = parse_budget(budget, peak)
@@ -49,7 +55,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
         mg.plan.gpu_budget = gpu_budget
         mg.plan.cpu_budget = cpu_bytes
     else:
-        plan = make_plan(tg, gpu_budget, cpu_bytes, planner, **planner_options)
+        plan = make_plan(tg, gpu_budget, cpu_bytes, planner, costs=costs, alignment=alignment, **planner_options)
         mg = build(tg, plan, alignment=alignment)
     mg.initial_state = dict(tg.initial_state)
     mg.names = dict(tg.state_names)

@@ -232,6 +232,7 @@ class Simulation:
             return False
         slot = Tenancy(v)
         history = self.cpu_alloc.alloc(at, self.size[v], slot)
+        slot.saved = None
         mid = self.mg.add_vertex(Kind.OFFLOAD, Stream.D2H, value=v, reads={v: t.place}, writes={v: slot.place})
         self._read(t, mid)
         self._wait(wait_for(history), mid)
@@ -272,7 +273,7 @@ class Simulation:
             self._read(slot, mid)
             self.stats["reloads"] += 1
         self._wait(t.pending, mid)
-        t.pending, t.writer = [], mid
+        t.pending, t.writer, t.saved = [], mid, None  # written: no longer revocable
         self.gpu.set_cost(t, self._next_use(v))
         self.cur[v] = t
         return t
@@ -290,7 +291,7 @@ class Simulation:
             t = self.pre[o]
             self.pre[o] = None
             self._wait(t.pending, mid)
-            t.pending, t.writer = [], mid
+            t.pending, t.writer, t.saved = [], mid, None  # written: no longer revocable
             self.gpu.set_cost(t, self._next_use(o))
             self.cur[o] = t
         for x in ins:

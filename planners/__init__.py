@@ -19,11 +19,19 @@ def plan(taskgraph, gpu_budget: int, cpu_budget: int | None = None, method: str 
 
     costs: a turnip.planners.costs.CostModel (default: measured on the graph's CUDA device when
     present, analytic H100-class rates otherwise); it fills vertex.time/workspace where unset.
-    Options: headroom (fraction of the budget planned with, default 0.92, for fragmentation),
-    alignment, windows, gap (relative MIP gap to stop at), depth/max_candidates/max_chain
-    (recompute chain limits), max_items (home decisions before grouping by module), msg.
+    time_limit: seconds the MILP solver may run (it starts from the greedy plan, so it always has
+    one). Options: headroom (fraction of budget - workspace planned with, default 0.92, slack for
+    fragmentation and prefetching), alignment (default 256 on CUDA, 64 otherwise), windows
+    (overlap windows, default n/8 up to 160), gap (relative MIP gap to stop at, default 0.005),
+    depth/max_candidates/max_chain (recompute chain limits), max_items (home decisions before
+    they are grouped by module, default 512), order (a serial order; default: program order with
+    each parameter's update right after its gradient), solver ("auto" | "highs" | "cbc"), msg.
+
+    The Plan carries predicted_time (seconds per step), predicted_peak (arena bytes plus the
+    largest workspace) and, in stats, the solver's status and gap and the mix (bytes kept,
+    offloaded, recomputed; weights and optimizer states streamed).
     Raises turnip.memgraph.build.InfeasibleBudget (ValueError where the builder is absent)
-    naming the smallest budget that could work.
+    naming the smallest budget that could work (.minimum).
     """
     from turnip.planners.driver import run_plan
 

@@ -160,9 +160,14 @@ def analytic_time(tg: TaskGraph, vertex: Vertex, spec: DeviceSpec) -> float:
 
 
 def analytic_workspace(tg: TaskGraph, vertex: Vertex) -> int:
-    """Temporary bytes beyond the outputs. The launcher runs ops functionally and copies the
-    result into the output's place, so the op's own result is scratch memory while it runs."""
-    return sum(tg.values[o].nbytes for o in vertex.outputs if o >= 0) if not vertex.copy_in else 0
+    """Temporary bytes beyond the outputs. Ops with an out= overload write straight into their
+    places; the others (fused attention and its backward) compute, then copy, so their own
+    result is scratch memory while they run."""
+    from turnip.kernels.launch import writes_in_place
+
+    if writes_in_place(vertex):
+        return 0
+    return sum(tg.values[o].nbytes for o in vertex.outputs if o >= 0)
 
 
 # -- signatures and the disk cache ------------------------------------------------------------
@@ -259,8 +264,8 @@ class CostModel:
     @property
     def cache(self) -> CostCache:
         if self._cache is None:
-            from turnip.planners.measure import device_name
             import torch
+            from turnip.planners.measure import device_name
 
             self._cache = CostCache(self.cache_dir, device_name(self.device), torch.__version__)
         return self._cache
@@ -321,7 +326,7 @@ class CostModel:
         for sig, v in missing.items():
             try:
                 seconds, workspace = measure_vertex(tg, v, self.device, runs=self.runs, warmup=self.warmup)
-            except Exception as err:  # an op we cannot run standalone: estimate it, do not cache
+            except Exception as err:  # noqa: BLE001 - any op that cannot run standalone: estimate, do not cache
                 log.warning("cannot measure %s (%s); using the analytic estimate", v.op, err)
                 seconds, workspace = self.estimate(tg, v)
                 for u in todo:

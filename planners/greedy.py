@@ -4,7 +4,9 @@ Moves, in the order a practitioner would try them: recompute values that are che
 recompute than to move (elementwise ops, norms), offload the saved values that occupy the most
 memory for the longest (large and early), stream optimizer states, stream weights last, and as
 a last resort recompute what was offloaded. The shortest prefix of that list that fits is found
-by bisection, then moves that turn out unnecessary are undone, costliest first.
+by bisection, then moves that turn out unnecessary are undone, costliest first. Two other
+orders (recompute first, stream first) are tried the same way, for budgets where the first runs
+dry; the fastest plan wins. Everything is judged by memory.evaluate, the ILP's own cost model.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from turnip.planners.memory import TIE_BREAK, item_seconds, option_seconds
 from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Problem
 

@@ -13,7 +13,6 @@ import statistics
 import time
 
 import torch
-
 from turnip.kernels.launch import run_vertex
 from turnip.kernels.views import ref_view
 from turnip.memgraph.taskgraph import TaskGraph, TensorRef, Vertex

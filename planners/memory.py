@@ -11,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Problem
-
 
 # Transfers and recomputation hidden under compute still use the link and the GPU: among plans
 # of equal step time, prefer the one that moves and recomputes least.
@@ -26,10 +24,10 @@ class Decisions:
     cpu: list[bool]  # per item: homed on the CPU
 
     @classmethod
-    def keep_all(cls, problem: Problem) -> "Decisions":
+    def keep_all(cls, problem: Problem) -> Decisions:
         return cls([KEEP] * len(problem.groups), [False] * len(problem.items))
 
-    def copy(self) -> "Decisions":
+    def copy(self) -> Decisions:
         return Decisions(list(self.groups), list(self.cpu))
 
 
@@ -67,7 +65,7 @@ def need_times(problem: Problem, kinds: list[str]) -> list[int]:
     """When each non-kept group is needed again: its first backward use, pulled earlier by
     recomputed groups that read it (their recomputation runs at their own need time)."""
     at = [-1] * len(problem.groups)
-    for gi in sorted(range(len(problem.groups)), key=lambda i: -problem.groups[i].pos):
+    for gi in problem.latest_first:
         if kinds[gi] == KEEP:
             continue
         s = problem.groups[gi].n0

@@ -1,12 +1,14 @@
 """The planning problem: a TaskGraph in a fixed serial order, reduced to decisions with static effects.
 
 Decisions (shared by greedy, ILP and brute force; evaluated by memory.py):
-- per *group* (a forward vertex whose outputs are read by the backward pass): keep its saved
-  outputs, offload them (copy out in the production window, reload in the window before they
-  are needed again), or recompute the vertex (with the chain of cheap forward values it needs
-  that nothing saves) right before they are needed again;
-- per *item* (a parameter, or the optimizer states of one parameter): home on the GPU, or on the
-  CPU (streamed in the window before each use, updated values written back after the update).
+- per *group* (a forward vertex whose outputs are read by the backward pass, or a backward value
+  left idle for a long stretch such as a tied weight's first gradient): keep its saved outputs,
+  offload them (copied out after production, gone after their last use before the gap, reloaded
+  for the use after it), or recompute the vertex (with the chain of unsaved forward values it
+  needs) right before they are needed again;
+- per *item* (a parameter, or the optimizer states of one parameter; per module on big models):
+  home on the GPU, or on the CPU (streamed in before each run of uses, updated values written
+  back after the update).
 
 "Needed again" is the first backward use, pulled earlier when a recomputed vertex reads the
 group's outputs (chains): the need time of a group is min(first backward use, need times of
@@ -14,8 +16,11 @@ the recomputed groups reading it). Every (kind, need time) pair is an *option* w
 intervals and window loads are fixed, which keeps the ILP linear and lets a brute force
 enumerate exactly the same space.
 
-Positions are indices in the serial order; windows are runs of positions within which transfers
-overlap compute. Sizes are rounded up to the builder's alignment.
+Positions are indices in the serial order. Memory is counted per position the way BuildMemGraph
+simulates it (a value occupies the arena from production or reload to its last use); windows
+are runs of positions whose transfers overlap their compute, and they price time only: a
+transfer lands in the window of production (offload, write-back) or the one before its use
+(reload, fetch). Sizes are rounded up to the builder's alignment.
 """
 
 from __future__ import annotations
@@ -25,8 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from turnip.memgraph.taskgraph import TaskGraph, ValueKind
+from turnip.memgraph.taskgraph import TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +110,13 @@ class Problem:
     headroom: float
 
     @property
+    def latest_first(self) -> list[int]:
+        """Group indices from the latest-produced back (requirers before what they require)."""
+        if not hasattr(self, "_latest_first"):
+            self._latest_first = sorted(range(len(self.groups)), key=lambda i: -self.groups[i].pos)
+        return self._latest_first
+
+    @property
     def n(self) -> int:
         return len(self.order)
 
@@ -174,6 +185,8 @@ def make_windows(times: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]
     """Cut positions into about `count` runs of similar compute time."""
     n = len(times)
     count = max(1, min(count, n))
+    if float(times.sum()) <= 0:
+        times = np.ones(n)  # no costs known: equal numbers of positions
     target = float(times.sum()) / count
     starts, acc = [0], 0.0
     for p in range(n):

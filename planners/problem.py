@@ -8,14 +8,13 @@ recompute chains stay out of the space), and the memory/transfer profile of ever
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
 import numpy as np
-
 from turnip.memgraph.taskgraph import TaskGraph, ValueKind
-from turnip.planners.model import (KEEP, OFFLOAD, RECOMPUTE, Group, Item, Option, Problem, make_windows,
-                                   step_order)
+from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Group, Item, Option, Problem, make_windows, step_order
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +228,7 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
     base_compute = np.zeros(len(win_start), dtype=np.float64)
     np.add.at(base_compute, window_of, times)
     max_ws = max((-(-tg.vertices[v].workspace // alignment) * alignment for v in order), default=0)
-    cap = int(math.floor(headroom * (gpu_budget - max_ws)))
+    cap = math.floor(headroom * (gpu_budget - max_ws))
     problem = Problem(tg=tg, order=order, pos=pos, times=times, win_start=win_start, win_end=win_end,
                       window_of=window_of, base=base, base_compute=base_compute, base_h2d=base_h2d,
                       base_d2h=np.zeros(len(win_start)), groups=groups, items=items, item_of=item_of,
@@ -248,7 +247,7 @@ def _gap_is_largest(prod: int, reads: list[int], hold: int, c: int) -> bool:
     events = sorted({prod, c, *reads})
     if c - hold < 2:
         return False
-    return all(b - a <= c - hold for a, b in zip(events, events[1:]) if not (a == hold and b == c))
+    return all(b - a <= c - hold for a, b in itertools.pairwise(events) if not (a == hold and b == c))
 
 
 def _union(a0: int, a1: int, b0: int, b1: int, b: int) -> list[tuple[int, int, int]]:

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 
 import pulp
-
 from turnip.planners.ilp import Formulation
 
 log = logging.getLogger(__name__)
@@ -66,7 +65,7 @@ def _highs_class():
             self.info = None
             self.model_status = ""
 
-        def callSolver(self, lp):  # noqa: N802 - PuLP's name
+        def callSolver(self, lp):
             model = lp.solverModel
             if self._own_warm:
                 cols = [(v.index, v.varValue) for v in lp.variables() if v.varValue is not None]
@@ -117,7 +116,7 @@ def solve(f: Formulation, start: list[float] | None = None, time_limit: float = 
 
     highs = _highs_class() if solver in ("auto", "highs") else None
     if highs is not None:
-        kwargs = dict(msg=msg, timeLimit=time_limit, gapRel=gap)
+        kwargs = {"msg": msg, "timeLimit": time_limit, "gapRel": gap}
         if threads:
             kwargs["threads"] = threads
         engine = highs(warm=start is not None, **kwargs)

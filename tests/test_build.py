@@ -23,7 +23,7 @@ from turnip.memgraph.taskgraph import TaskGraph, ValueKind
 from turnip.planners.plan import CPU, Plan
 
 log = logging.getLogger(__name__)
-PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def check(mg: MemGraph) -> MemGraph:
@@ -48,15 +48,19 @@ def budgets(tg: TaskGraph, plan: Plan, fraction: float) -> int:
     return int(low + fraction * (unconstrained_budget(tg, plan) - low))
 
 
-fractions = st.one_of(st.just(0.0), st.just(1.0), st.floats(0.0, 1.0))
+def draw(rng: random.Random) -> float:
+    """A budget fraction between the minimum (0) and unconstrained (1), extremes often."""
+    return rng.choice([0.0, 1.0, rng.random(), rng.random() ** 3])
 
 
+# Everything is drawn from the seed: hypothesis explores seeds, whose draws stay spread evenly
+# (its own strategies favour the smallest sizes).
 @PROPERTY
-@given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([8, 30, 100, 400]), fraction=fractions,
-       compact=st.sampled_from([False, False, True]))
-def test_random_dags_at_any_budget_verify(seed, n, fraction, compact):
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_dags_at_any_budget_verify(seed):
     rng = random.Random(seed)
-    tg = random_taskgraph(rng, n)
+    n, fraction, compact = rng.choice([8, 30, 100, 400]), draw(rng), rng.random() < 0.3
+    tg = random_taskgraph(rng, n, min_bytes=rng.choice([16, 64, 256]), max_bytes=rng.choice([16_000, 64_000, 256_000]))
     plan = random_plan(rng, tg)
     plan.gpu_budget = budgets(tg, plan, fraction)
     mg = check(build(tg, plan, compact=compact))
@@ -64,23 +68,24 @@ def test_random_dags_at_any_budget_verify(seed, n, fraction, compact):
         assert mg.stats.get("offloads_evicted", 0) == 0 and mg.stats.get("flushes", 0) == 0
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([1500, 3000]), fraction=fractions)
-def test_large_random_dags_verify(seed, n, fraction):
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_large_random_dags_verify(seed):
     rng = random.Random(seed)
+    n, fraction = rng.choice([1500, 3000]), draw(rng)
     tg = random_taskgraph(rng, n)
     plan = random_plan(rng, tg)
     plan.gpu_budget = budgets(tg, plan, fraction)
     check(build(tg, plan))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([20, 80]), squeeze=st.floats(0.2, 1.0),
-       extra=st.floats(0.0, 2.0))
-def test_cpu_budget_is_respected(seed, n, squeeze, extra):
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_cpu_budget_is_respected(seed):
     """With a CPU bound the minimum GPU budget is found by bisection; it and every larger budget build
     within both bounds, one alignment unit less does not."""
     rng = random.Random(seed)
+    n, squeeze, extra = rng.choice([20, 80]), rng.uniform(0.2, 1.0), rng.uniform(0.0, 2.0)
     tg = random_taskgraph(rng, n)
     plan = random_plan(rng, tg)
     plan.gpu_budget = minimum_budget(tg, plan)[0]

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
 from turnip.memgraph import trace
 from turnip.memgraph.taskgraph import TaskGraph, ValueKind
@@ -71,8 +70,10 @@ def test_annotate_fills_time_and_workspace_without_overwriting(gpt_step):
     assert tg.vertices[0].time == 1.0
     assert all(v.time > 0 for v in tg.vertices)
     mm = next(v for v in tg.vertices if v.op == "aten::mm")
-    # the launcher computes functionally then copies into place: the result is scratch memory
-    assert mm.workspace == tg.values[mm.outputs[0]].nbytes
+    assert mm.workspace == 0  # mm.out writes straight into its place
+    attention = next(v for v in tg.vertices if "scaled_dot_product" in v.op and v.phase == "forward")
+    # no out= overload: computed, then copied into place, so the result is scratch memory
+    assert attention.workspace == sum(tg.values[o].nbytes for o in attention.outputs if o >= 0)
     CostModel(measure=False, spec=DeviceSpec(launch=1.0)).annotate(tg, overwrite=True)
     assert tg.vertices[0].time >= 1.0
 
@@ -180,3 +181,16 @@ def test_measures_on_cuda(tmp_path):
     assert mm.workspace >= 0
     assert 1e9 < model.h2d_bandwidth < 1e12 and 1e9 < model.d2h_bandwidth < 1e12
     assert CostModel(device="cuda", cache_dir=tmp_path).h2d_bandwidth == model.h2d_bandwidth
+
+
+def test_convolution_flops():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Flatten(), torch.nn.Linear(8 * 16, 2))
+    batch = (torch.randn(4, 3, 4, 4), torch.tensor([0, 1, 0, 1]))
+    tg = trace(model, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]), batch,
+               optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    spec = DeviceSpec(launch=0.0, mem_bw=1e30)
+    fwd = next(v for v in tg.vertices if v.op == "aten::convolution")
+    bwd = next(v for v in tg.vertices if v.op == "aten::convolution_backward")
+    per_output = 2 * 3 * 3 * 3  # C_in * kh * kw multiply-adds
+    assert analytic_time(tg, fwd, spec) == pytest.approx(per_output * 4 * 8 * 4 * 4 / 50e12)
+    assert analytic_time(tg, bwd, spec) == pytest.approx(2 * per_output * 4 * 8 * 4 * 4 / 50e12)

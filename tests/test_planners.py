@@ -9,8 +9,7 @@ import random
 
 import pytest
 import torch
-
-from turnip import planners
+from synthetic import random_taskgraph
 from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
 from turnip.memgraph import trace
 from turnip.memgraph.taskgraph import TaskGraph, ValueKind
@@ -23,7 +22,7 @@ from turnip.planners.memory import TIE_BREAK, Decisions, evaluate, need_times, s
 from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, step_order
 from turnip.planners.solver import solve
 
-from synthetic import random_taskgraph
+from turnip import planners
 
 SLOW_LINK = DeviceSpec(name="slow link", h2d=2e6, d2h=2e6)  # transfers cost about as much as compute
 
@@ -136,8 +135,8 @@ def small_problems():
             tg = tiny_step(rng, layers=rng.randint(2, 4), states=rng.random() < 0.4)
         else:
             tg = synthetic_step(seed, n=rng.randint(10, 16))
-        kw = dict(costs=CostModel(spec=DeviceSpec(h2d=rng.choice([2e6, 2e7, 2e8]), d2h=rng.choice([2e6, 2e7, 2e8]))),
-                  alignment=64, windows=rng.choice([2, 3, 5]), headroom=1.0)
+        link = DeviceSpec(h2d=rng.choice([2e6, 2e7, 2e8]), d2h=rng.choice([2e6, 2e7, 2e8]))
+        kw = {"costs": CostModel(spec=link), "alignment": 64, "windows": rng.choice([2, 3, 5]), "headroom": 1.0}
         probe = make_problem(tg, 1 << 40, **kw)
         if 3 ** len(probe.groups) * 2 ** len(probe.items) > 6000 or not probe.groups:
             continue
@@ -204,14 +203,14 @@ def suite():
 @pytest.mark.parametrize("frac", [0.8, 0.5, 0.3])
 @pytest.mark.parametrize("index", range(12))
 def test_ilp_never_worse_than_greedy(index, frac):
-    kind, tg = suite()[index]
+    _, tg = suite()[index]
     costs = CostModel(spec=SLOW_LINK if index % 3 else DeviceSpec())
     budget = int(frac * tg.live_peak(alignment=64))
     problem = make_problem(tg, budget, costs=costs, alignment=64)
     budget = max(budget, builder_floor(problem))
     problem = make_problem(tg, budget, costs=costs, alignment=64)
-    g_dec, g_ev, _ = greedy(problem)
-    got, result, _ = ilp_optimum(problem)
+    _, g_ev, _ = greedy(problem)
+    got, _, _ = ilp_optimum(problem)
     if g_ev.feasible:
         assert got is not None and got.feasible
         assert got.objective <= g_ev.objective * (1 + 1e-9)
@@ -373,7 +372,8 @@ def test_ilp_without_a_solution_falls_back_to_greedy(small_gpt, monkeypatch):
     assert plan.stats["fits_model"]
 
 
-@pytest.mark.parametrize("name", SMALL_NAMES := [n for n, _ in SMALL[:6]])
+@pytest.mark.filterwarnings("ignore:PULP_CBC_CMD is deprecated")
+@pytest.mark.parametrize("name", [n for n, _ in SMALL[:6]])
 def test_cbc_agrees_with_highs(name):
     problem = dict(SMALL)[name]
     f = formulate(problem)
@@ -393,9 +393,9 @@ def test_recomputing_plans_run_like_eager(how):
     """Plans with recomputation (dropout included: random vertices replay their RNG state) build
     and train bit for bit like eager PyTorch on the CPU backend."""
     from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
+    from turnip.memgraph.build import build
 
     from turnip import engine, memgraph
-    from turnip.memgraph.build import build
 
     model, loss_fn, batches = make_case("gpt", dropout=0.1)
     want_losses, want_state = eager_steps(model, loss_fn, batches, OPTIMIZERS["adamw"])
