@@ -32,7 +32,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     planner: "auto" (the ILP when available, else greedy), "ilp", "greedy", or "none"
     (keep everything and let BuildMemGraph evict under pressure).
     """
-    from turnip.memgraph.build import build  # the builder imports planners, which import memgraph
+    from turnip.memgraph.build import InfeasibleBudget, build
 
     device = torch.device(device or default_device())
     alignment = alignment or (256 if device.type == "cuda" else 64)
@@ -44,16 +44,19 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
 
         costs = costs if costs is not None else default_costs(tg)
         costs.annotate(tg)
-    keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=alignment)
+    # compact: reuse freed bytes first, so the arena is the peak rather than the sum of all values
+    keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=alignment, compact=True)
     peak = unplanned_peak(keep_all)
     gpu_budget = parse_budget(budget, peak)
     cpu_bytes = parse_budget(cpu_budget, peak) if cpu_budget is not None else None
     log.info("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
              time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
     if gpu_budget >= peak:  # everything fits: nothing to plan
-        mg = keep_all
-        mg.plan.gpu_budget = gpu_budget
-        mg.plan.cpu_budget = cpu_bytes
+        try:  # the paper's allocate-ahead build leaves the runtime more freedom than the compact one
+            mg = build(tg, Plan(gpu_budget=gpu_budget, cpu_budget=cpu_bytes, planner="none"), alignment=alignment)
+        except InfeasibleBudget:
+            mg = keep_all
+            mg.plan.gpu_budget, mg.plan.cpu_budget = gpu_budget, cpu_bytes
     else:
         plan = make_plan(tg, gpu_budget, cpu_bytes, planner, costs=costs, alignment=alignment, **planner_options)
         mg = build(tg, plan, alignment=alignment)

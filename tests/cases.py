@@ -21,8 +21,8 @@ def make_case(name: str, dropout: float = 0.0, device="cpu"):
     """(model, loss_fn, batches) for a named model; weights are seeded so cases are reproducible."""
     torch.manual_seed(0)
     if name == "mlp":
-        model = mlp.MLP(dropout=dropout)
-        return model.to(device), mlp.mlp_loss, [mlp.example_batch(seed=i, device=device) for i in range(3)]
+        model = mlp.MLP(depth=10, dropout=dropout)
+        return model.to(device), mlp.mlp_loss, [mlp.example_batch(batch=64, seed=i, device=device) for i in range(3)]
     if name in ("gpt", "gpt_lora"):
         cfg = gpt.GPTConfig(dropout=dropout, lora_rank=4 if name == "gpt_lora" else 0)
         model = gpt.GPT(cfg)
