@@ -127,13 +127,13 @@ def solve(f: Formulation, start: list[float] | None = None, time_limit: float = 
         if engine is None:
             raise RuntimeError("no MILP solver available: install highspy (pip install highspy) or CBC")
     started = time.perf_counter()
-    prob.solve(engine)
+    returned = prob.solve(engine)
     seconds = time.perf_counter() - started
-    has_solution = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible) and \
-        all(v.varValue is not None for v in cols)
-    status = getattr(engine, "model_status", "") or pulp.LpStatus.get(prob.status, str(prob.status))
+    found, optimal, words = _outcome(prob, returned)
+    has_solution = found and all(v.varValue is not None for v in cols)
+    status = getattr(engine, "model_status", "") or words
     result = SolveResult(values=[float(v.varValue) for v in cols] if has_solution else None, status=status,
-                         optimal=prob.sol_status == pulp.LpSolutionOptimal, seconds=seconds, solver=name,
+                         optimal=optimal, seconds=seconds, solver=name,
                          stats={"build_seconds": build_seconds})
     info = getattr(engine, "info", None)
     if info is not None and has_solution:
@@ -153,3 +153,17 @@ def _takes_check() -> bool:
         return "check" in inspect.signature(pulp.LpVariable.setInitialValue).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _outcome(prob, returned) -> tuple[bool, bool, str]:
+    """(a solution came back, it is optimal, the status in words) across PuLP versions: up to 4.1
+    the problem carries sol_status; from 4.2 solve() returns an LpSolveStats."""
+    sol_status = getattr(prob, "sol_status", None)
+    if sol_status is not None:
+        words = pulp.LpStatus.get(prob.status, str(prob.status))
+        return (sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible),
+                sol_status == pulp.LpSolutionOptimal, words)
+    status = getattr(returned, "status", None)
+    name = getattr(status, "name", str(status))
+    # GapLimit: HiGHS stopped at the requested MIP gap, which is what "optimal" means here
+    return bool(getattr(returned, "has_solution", False)), name in ("Optimal", "GapLimit"), name
