@@ -122,9 +122,11 @@ class _GraphReader:
     def template(self, arg):
         if isinstance(arg, torch.fx.Node):
             val = arg.meta.get("val")
-            if not isinstance(val, torch.Tensor):
-                raise UnsupportedFeature(f"node {arg.name} carries a non-tensor value {type(val).__name__}")
-            return self.ref(val)
+            if isinstance(val, torch.Tensor):
+                return self.ref(val)
+            if val is None or type(val) in (int, float, bool):
+                return val  # a static non-tensor result (e.g. attention's max sequence length)
+            raise UnsupportedFeature(f"node {arg.name} carries a non-tensor value {type(val).__name__}")
         if isinstance(arg, (list, tuple)):
             return type(arg)(self.template(a) for a in arg)
         if isinstance(arg, dict):
@@ -145,9 +147,10 @@ class _GraphReader:
         name = op_name(op)
         phase = "forward" if index < self.forward_end else "backward"
         module = self.modules.module_at(index) if phase == "forward" else ""
-        results = [t for t in _flat_tensors(node.meta.get("val")) if t is not None]
-        if any(not isinstance(t, torch.Tensor) for t in results):
-            raise UnsupportedOp(name, module, "returns a non-tensor value (data-dependent result)")
+        flat = _flat_tensors(node.meta.get("val"))
+        if any(not (t is None or isinstance(t, torch.Tensor) or type(t) in (int, float, bool)) for t in flat):
+            raise UnsupportedOp(name, module, "returns a symbolic value (data-dependent result)")
+        results = [t for t in flat if isinstance(t, torch.Tensor)]
         mutated = []
         for arg_schema, arg in zip(op._schema.arguments, node.args):
             if arg_schema.alias_info is not None and arg_schema.alias_info.is_write:
@@ -163,9 +166,9 @@ class _GraphReader:
         if not fresh:
             return  # a view: folded into the references of its readers
         args, kwargs = self.template(node.args), self.template(node.kwargs)
-        outputs = []
-        for t in results:
-            if _storage_key(t) in self.current:
+        outputs = []  # one entry per flattened return, -1 where it is not a new tensor
+        for t in flat:
+            if not isinstance(t, torch.Tensor) or _storage_key(t) in self.current:
                 outputs.append(-1)
             elif t.storage_offset() != 0:
                 raise UnsupportedOp(name, module, "returns a tensor that does not start at its storage")
