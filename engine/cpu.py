@@ -129,6 +129,7 @@ class CpuRuntime(Runtime):
 
     def close(self) -> None:
         self._finalizer()
+        super().close()
 
     # -- vertices (run on worker threads) ------------------------------------------------
     def execute(self, vid: int) -> None:

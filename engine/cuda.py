@@ -144,6 +144,15 @@ class CudaRuntime(Runtime):
     def abort_step(self) -> None:
         self._finish()
 
+    def close(self) -> None:
+        for lane in self.lanes.values():
+            lane.stream.synchronize()
+        self.lanes.clear()
+        self.host_out.clear()
+        self.rng = None
+        super().close()
+        torch.cuda.empty_cache()
+
     def device_records(self, records: list, origin: float) -> list:
         """Replace host-side times by when each vertex ran on the GPU (the step has synchronized)."""
         if not self.timing or self._timers is None:

@@ -206,4 +206,8 @@ class Runtime:
         pass
 
     def close(self) -> None:
-        pass
+        """Drop every reference to the arena and storage so their memory is freed now."""
+        self._prepared.clear()
+        self._views.clear()
+        self.arenas.clear()
+        self.storage = None

@@ -96,10 +96,21 @@ def _has_scalar_refs(template) -> bool:
     return False
 
 
+# Functional ops with no out= overload whose result is written straight into the output buffer by
+# the very call the op makes internally (_to_copy is empty + copy_; *_like fills), so the numbers
+# are the op's own and no scratch result is allocated.
+DIRECT = {
+    "aten::_to_copy": lambda out, args, kwargs: out.copy_(args[0]),
+    "aten::ones_like": lambda out, args, kwargs: out.fill_(1),
+    "aten::zeros_like": lambda out, args, kwargs: out.fill_(0),
+    "aten::full_like": lambda out, args, kwargs: out.fill_(args[1]),
+}
+
+
 def writes_in_place(vertex: Vertex) -> bool:
     """True when an engine runs the vertex straight into its output buffers (out= overload,
-    in-place op, or nothing to run), so it needs no scratch copy of its result."""
-    if vertex.copy_in or (vertex.op in UNINITIALIZED):
+    in-place op, direct write, or nothing to run), so it needs no scratch copy of its result."""
+    if vertex.copy_in or vertex.op in UNINITIALIZED or (vertex.op in DIRECT and vertex.outputs[0] >= 0):
         return True
     if any(o < 0 for o in vertex.outputs):
         return False
@@ -135,8 +146,9 @@ class PreparedVertex:
         self.op = resolve_op(vertex.op)
         self.skip = vertex.op in UNINITIALIZED and not vertex.copy_in
         self.out_names: tuple[str, ...] = ()
-        variant = out_variant(vertex.op) if writes_in_place(vertex) and not (vertex.copy_in or self.skip) \
-            else None
+        self.direct = DIRECT.get(vertex.op) if vertex.outputs and vertex.outputs[0] >= 0 else None
+        variant = out_variant(vertex.op) if writes_in_place(vertex) and not (
+            vertex.copy_in or self.skip or self.direct) else None
         if variant is not None:
             self.op, self.out_names = variant
         self.dynamic = _has_scalar_refs(vertex.args) or _has_scalar_refs(vertex.kwargs)
@@ -157,6 +169,9 @@ class PreparedVertex:
             kwargs = _materialize(self.vertex.kwargs, self._resolve, scalars)
             if self.out_names:
                 kwargs.update(zip(self.out_names, self.outputs))
+        if self.direct is not None:
+            self.direct(self.outputs[0], args, kwargs)
+            return
         result = replay(rng_state, device, lambda: self.op(*args, **kwargs))
         if self.out_names or self.copies:
             return

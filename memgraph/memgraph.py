@@ -115,6 +115,14 @@ class MemGraph:
         return {name: self.initial_state[vid].clone() for name, vid in self.names.items()
                 if vid in self.initial_state}
 
+    def release(self) -> None:
+        """Free the engine's arena and pinned storage now (the trained weights go with them,
+        so call state_dict() or save() first); the next engine.run starts from the
+        compiled weights."""
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
+
     def summary(self) -> dict:
         kinds = Counter(v.kind.value for v in self.vertices)
         edge_kinds = Counter(e[2].value for e in self.edges)

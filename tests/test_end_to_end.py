@@ -57,6 +57,31 @@ def test_small_budget_offloads_and_still_matches(case):
         f"{name}: a 25% budget should need offloading or recomputation"
 
 
+def test_autocast_step_through_the_engine_is_bitwise():
+    model, loss_fn, batches = make_case("gpt", dropout=0.1)
+
+    def mixed_loss(m, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss_fn(m, batch)
+
+    want_losses, want_state = eager_steps(model, mixed_loss, batches, OPTIMIZERS["adamw"])
+    mg = memgraph.compile(model, mixed_loss, batches[0], optimizer=OPTIMIZERS["adamw"](trainable(model)),
+                          budget=0.5, device="cpu")
+    for ordering, seed in [("nondeterministic", None), ("random", 1)]:
+        losses, state = run_steps(mg, batches, ordering, seed)
+        assert losses == [x.item() for x in want_losses]
+        assert_same_state(state, want_state)
+
+
+def test_release_frees_the_runtime_and_a_later_run_starts_over():
+    model, loss_fn, batches = make_case("mlp")
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=OPTIMIZERS["sgd"](trainable(model)), device="cpu")
+    first = engine.run(mg, batches[0])["loss"].item()
+    mg.release()
+    assert mg.runtime is None
+    assert engine.run(mg, batches[0])["loss"].item() == first  # from the compiled weights again
+
+
 def test_save_load_continues_training(tmp_path):
     model, loss_fn, batches = make_case("gpt", dropout=0.1)
     want_losses, want_state = eager_steps(model, loss_fn, batches, OPTIMIZERS["adam"])
