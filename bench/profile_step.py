@@ -1,0 +1,104 @@
+"""Where a turnip step's time goes: GPU time per op and phase from one traced step, beside eager.
+
+    python -m turnip.bench.profile_step [--model gpt350m] [--budget none|0.5] [--steps 3]
+
+Compiles the model (budget "none" = everything kept, no transfers), times a few
+steps, runs one more step with device timing events, and sums each vertex's GPU
+time by op and by phase; also times the same steps in eager PyTorch. Writes
+bench/results/profile_<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from turnip import engine, memgraph
+from turnip.bench.models.sizes import make_workload
+from turnip.bench.results import result_path, run_metadata
+from turnip.memgraph.memgraph import Kind
+
+log = logging.getLogger(__name__)
+
+
+def timed(fn, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def breakdown(mg, trace_file: Path) -> dict:
+    events = [e for e in json.loads(trace_file.read_text())["traceEvents"] if e.get("ph") == "X"]
+    by_op, by_phase, by_kind = collections.Counter(), collections.Counter(), collections.Counter()
+    busy = collections.Counter()
+    for e in events:
+        vid = e["args"]["vertex"]
+        mv = mg.vertices[vid]
+        dur = e["dur"] / 1e3  # ms
+        by_kind[mv.kind.value] += dur
+        busy[mv.stream.value] += dur
+        if mv.kind is Kind.COMPUTE:
+            tv = mg.taskgraph.vertices[mv.task_vertex]
+            by_op[tv.op] += dur
+            by_phase[tv.phase] += dur
+    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
+    return {"span_ms": span, "busy_ms_by_stream": dict(busy), "ms_by_kind": dict(by_kind),
+            "ms_by_phase": dict(by_phase), "top_ops_ms": dict(by_op.most_common(25))}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt350m", help="gpt350m, gpt1.3b, lora1.3b or llama")
+    parser.add_argument("--budget", default="none", help="'none' (keep everything) or a fraction of the peak")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_step needs a CUDA device")
+    workload = make_workload(args.model)
+    batch = workload.batch_on("cuda")
+    optimizer = workload.optimizer([p for p in workload.model.parameters() if p.requires_grad])
+    budget = None if args.budget == "none" else float(args.budget)
+    mg = memgraph.compile(workload.model, workload.loss_fn, batch, optimizer=optimizer, budget=budget,
+                          device="cuda")
+    engine.run(mg, batch)  # first step: allocation, RNG and view set-up
+    turnip_s = timed(lambda: engine.run(mg, batch), args.steps)
+    trace_file = result_path(f"profile_{args.model}_trace.json")
+    engine.run(mg, batch, trace=trace_file)
+    result = {"benchmark": "profile_step", **run_metadata(), "model": args.model, "budget": args.budget,
+              "turnip_step_ms": [t * 1e3 for t in turnip_s], "summary": mg.summary(),
+              "breakdown": breakdown(mg, trace_file)}
+    mg.release()
+    trace_file.unlink()
+    model = workload.fresh_model("cuda")
+    eager_opt = workload.optimizer([p for p in model.parameters() if p.requires_grad])
+
+    def eager_step():
+        eager_opt.zero_grad()
+        workload.loss_fn(model, batch).backward()
+        eager_opt.step()
+
+    eager_step()
+    result["eager_step_ms"] = [t * 1e3 for t in timed(eager_step, args.steps)]
+    log.info("turnip %.1f ms, eager %.1f ms; breakdown %s", statistics.median(result["turnip_step_ms"]),
+             statistics.median(result["eager_step_ms"]), json.dumps(result["breakdown"], indent=1))
+    path = result_path(f"profile_{args.model}.json")
+    path.write_text(json.dumps(result, indent=2, default=str))
+    log.info("wrote %s", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
