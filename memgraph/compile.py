@@ -52,9 +52,11 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     log.info("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
              time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
     if gpu_budget >= peak:  # everything fits: nothing to plan
-        try:  # the paper's allocate-ahead build leaves the runtime more freedom than the compact one
+        try:  # the paper's allocate-ahead build leaves the runtime more freedom than the compact one...
             mg = build(tg, Plan(gpu_budget=gpu_budget, cpu_budget=cpu_bytes, planner="none"), alignment=alignment)
         except InfeasibleBudget:
+            mg = None
+        if mg is None or mg.summary()["bytes_offloaded"] > 0:  # ...unless it has to evict to get it
             mg = keep_all
             mg.plan.gpu_budget, mg.plan.cpu_budget = gpu_budget, cpu_bytes
     else:
