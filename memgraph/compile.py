@@ -24,20 +24,22 @@ def default_device() -> str:
 def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
             budget: int | float | str | None = None, device: str | torch.device | None = None,
             planner: str = "auto", cpu_budget: int | str | None = None, alignment: int | None = None,
-            **planner_options) -> MemGraph:
+            fused_optimizer: bool | None = None, **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
 
     budget: bytes, a size string ("6GiB"), or a fraction of the unplanned peak
     (everything kept on the GPU); None means the unplanned peak.
     planner: "auto" (the ILP when available, else greedy), "ilp", "greedy", or "none"
     (keep everything and let BuildMemGraph evict under pressure).
+    fused_optimizer: Adam/AdamW as one fused kernel per parameter (default on CUDA); off, the
+    exact single-tensor torch.optim update (the CPU default, bitwise equal to eager).
     """
     from turnip.memgraph.build import InfeasibleBudget, build
 
     device = torch.device(device or default_device())
     alignment = alignment or (256 if device.type == "cuda" else 64)
     started = time.perf_counter()
-    tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device)
+    tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device, fused_optimizer=fused_optimizer)
     costs = planner_options.pop("costs", None)
     if planner != "none":  # op times and workspace first: the unplanned peak includes workspace
         from turnip.planners.costs import default_costs

@@ -11,6 +11,7 @@ vertices (optim.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 
@@ -213,11 +214,14 @@ class _GraphReader:
 
 
 def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
-          device: str | torch.device | None = None) -> TaskGraph:
+          device: str | torch.device | None = None, fused_optimizer: bool | None = None) -> TaskGraph:
     """Trace forward, loss, backward and the optimizer update of one training step.
 
     `loss_fn(model, batch)` must return a scalar tensor. Without an optimizer,
     the gradients become step outputs named "grad:<parameter name>".
+    fused_optimizer: Adam/AdamW as one fused kernel per parameter (default on CUDA, where eager
+    itself uses multi-tensor kernels); off, the update is torch.optim's single-tensor
+    implementation op for op, bitwise equal to eager (the CPU default).
     """
     params = dict(model.named_parameters())
     if device is None:
@@ -324,13 +328,26 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
             if ref is not None:
                 tg.outputs[f"grad:{name}"] = reader.dense_value(ref)
     else:
-        _append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid)
+        _append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid,
+                          fused=device.type == "cuda" if fused_optimizer is None else fused_optimizer)
     tg.validate()
     log.info("traced %d vertices, %d values", len(tg.vertices), len(tg.values))
     return tg
 
 
-def _append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid) -> None:
+def _step_counter(tg: TaskGraph, spec) -> TensorRef:
+    """The optimizer's step count as a device scalar (fused kernels read it), incremented each step."""
+    old = tg.add_value((), (), torch.float32, 4, ValueKind.OPTIMIZER_STATE, name="opt:step")
+    tg.initial_state[old] = torch.tensor(float(spec.initial_step), dtype=torch.float32)
+    emitter = UpdateEmitter(tg, spec, module="")
+    new = emitter.emit(torch.ops.aten.add.Tensor, tg.values[old].dense_ref, 1.0)
+    tg.bindings[old] = new.value
+    return new
+
+
+def _append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid, fused: bool) -> None:
+    fused = fused and spec.kind in ("adam", "adamw")
+    step = _step_counter(tg, spec) if fused and any(g is not None for g in grads.values()) else None
     for name, param in trainable.items():
         grad = grads[name]
         if grad is None:
@@ -343,7 +360,10 @@ def _append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid
                                 ValueKind.OPTIMIZER_STATE, name=f"opt:{name}.{key}")
             tg.initial_state[svid] = tensor
             state_refs[key] = tg.values[svid].dense_ref
-        new_param, new_states = emitter.update(group_of[id(param)], tg.values[pvid].dense_ref, grad, state_refs)
+        update = emitter.update
+        if step is not None and param.is_contiguous():
+            update = functools.partial(emitter.fused_update, step=step)
+        new_param, new_states = update(group_of[id(param)], tg.values[pvid].dense_ref, grad, state_refs)
         tg.bindings[pvid] = emitter.into_layout_of(new_param, pvid)
         for key, ref in new_states.items():
             tg.bindings[state_refs[key].value] = emitter.into_layout_of(ref, state_refs[key].value)

@@ -73,6 +73,20 @@ def test_autocast_step_through_the_engine_is_bitwise():
         assert_same_state(state, want_state)
 
 
+def test_fused_optimizer_through_the_engine():
+    model, loss_fn, batches = make_case("gpt", dropout=0.1)
+
+    def make_opt(params):
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True)
+
+    want_losses, want_state = eager_steps(model, loss_fn, batches, make_opt)
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=make_opt(trainable(model)), budget=0.5,
+                          device="cpu", fused_optimizer=True)
+    losses, state = run_steps(mg, batches, "random", 3)
+    assert losses == [x.item() for x in want_losses]
+    assert_same_state(state, want_state)
+
+
 def test_release_frees_the_runtime_and_a_later_run_starts_over():
     model, loss_fn, batches = make_case("mlp")
     mg = memgraph.compile(model, loss_fn, batches[0], optimizer=OPTIMIZERS["sgd"](trainable(model)), device="cpu")

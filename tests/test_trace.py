@@ -177,3 +177,21 @@ def test_gradients_are_outputs_without_optimizer():
     _mse(model, x).backward()
     assert torch.equal(out["grad:weight"], model.weight.grad)
     assert torch.equal(out["grad:bias"], model.bias.grad)
+
+
+@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW])
+def test_fused_optimizer_matches_eager_fused(kind):
+    """The CUDA default: one fused kernel per parameter, the kernel eager's fused=True runs."""
+    model, loss_fn, batches = make_case("gpt", dropout=0.1)
+
+    def make_opt(params):
+        return kind(params, lr=1e-3, weight_decay=0.1, fused=True)
+
+    want_losses, want_state = eager_steps(model, loss_fn, batches, make_opt)
+    tg = memgraph.trace(model, loss_fn, batches[0], optimizer=make_opt(trainable(model)), fused_optimizer=True)
+    assert any(v.op.startswith("aten::_fused_adam") for v in tg.vertices)
+    runner = ReferenceExecutor(tg)
+    torch.manual_seed(123)
+    losses = [runner.run(b)["loss"].item() for b in batches]
+    assert losses == [x.item() for x in want_losses]
+    assert_same_state(runner.state_dict(), want_state)
