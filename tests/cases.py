@@ -24,7 +24,7 @@ def make_case(name: str, dropout: float = 0.0, device="cpu"):
         model = mlp.MLP(depth=10, dropout=dropout)
         return model.to(device), mlp.mlp_loss, [mlp.example_batch(batch=64, seed=i, device=device) for i in range(3)]
     if name in ("gpt", "gpt_lora"):
-        cfg = gpt.GPTConfig(dropout=dropout, lora_rank=4 if name == "gpt_lora" else 0)
+        cfg = gpt.GPTConfig(n_layers=4, dropout=dropout, lora_rank=4 if name == "gpt_lora" else 0)
         model = gpt.GPT(cfg)
         return model.to(device), gpt.lm_loss, [gpt.example_batch(cfg, seed=i, device=device) for i in range(3)]
     if name == "hf_gpt2":
