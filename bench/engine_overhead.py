@@ -18,7 +18,6 @@ import statistics
 import time
 
 import torch
-
 from turnip.bench.results import result_path, run_metadata
 from turnip.memgraph.taskgraph import TaskGraph, ValueKind
 
@@ -104,9 +103,10 @@ def primitive_costs(iterations: int = 2000) -> dict[str, float]:
 
 
 def turnip_us_per_vertex(tg: TaskGraph, repeat: int, ordering: str, depth: int, streams: dict | None):
-    from turnip import engine, memgraph
     from turnip.engine.cuda import CudaRuntime
     from turnip.planners.plan import Plan
+
+    from turnip import engine, memgraph
 
     mg = memgraph.build(tg, Plan(gpu_budget=1 << 34))
     mg.device = "cuda"

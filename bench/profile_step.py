@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import torch
-
-from turnip import engine, memgraph
 from turnip.bench.models.sizes import make_workload
 from turnip.bench.results import result_path, run_metadata
 from turnip.memgraph.memgraph import Kind
+
+from turnip import engine, memgraph
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,6 @@ def run_metadata() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "commit": _commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(),
     }

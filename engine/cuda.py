@@ -25,7 +25,6 @@ import logging
 import time
 
 import torch
-
 from turnip.engine.errors import EngineError
 from turnip.engine.loop import Completion, Launch
 from turnip.engine.runtime import Runtime
@@ -39,7 +38,7 @@ DEFAULT_DEPTH = 16  # unfinished compute vertices a stream may hold before the l
 class EventCompletions:
     """The loop's completion source: notifications queued by launches, else polled CUDA events."""
 
-    def __init__(self, runtime: "CudaRuntime"):
+    def __init__(self, runtime: CudaRuntime):
         self.rt = runtime
         self.ready: collections.deque = collections.deque()
 

@@ -8,10 +8,9 @@ PyTorch runs and the numbers match bit for bit.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
-
 from turnip.kernels.ops import UNINITIALIZED, out_variant, resolve_op
 from turnip.kernels.rng import RngReplay, replay
 from turnip.kernels.views import ref_view

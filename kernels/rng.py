@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 
 import torch
-
 from turnip.memgraph.taskgraph import TaskGraph, TensorRef
 
 _REPLAY_LOCK = threading.Lock()  # the default generator is process-wide state

@@ -8,7 +8,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_budget(budget: int | float | str | None, unplanned_peak: int) -> int:
+def parse_budget(budget: float | str | None, unplanned_peak: int) -> int:
     """Bytes for `budget`; a float in (0, 1] is a fraction of `unplanned_peak`; None is the peak itself."""
     if budget is None:
         return int(unplanned_peak)

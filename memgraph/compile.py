@@ -6,7 +6,6 @@ import logging
 import time
 
 import torch
-
 from turnip.memgraph.budget import format_bytes, parse_budget
 from turnip.memgraph.memgraph import MemGraph
 from turnip.memgraph.trace import trace
@@ -22,7 +21,7 @@ def default_device() -> str:
 
 
 def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
-            budget: int | float | str | None = None, device: str | torch.device | None = None,
+            budget: float | str | None = None, device: str | torch.device | None = None,
             planner: str = "auto", cpu_budget: int | str | None = None, alignment: int | None = None,
             fused_optimizer: bool | None = None, **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.

@@ -160,7 +160,7 @@ class MemGraph:
 
 def load(path: str | Path) -> MemGraph:
     with open(path, "rb") as f:
-        blob = pickle.load(f)  # noqa: S301 - a MemGraph file is trusted like a torch checkpoint
+        blob = pickle.load(f)
     if not isinstance(blob, dict) or blob.get("format") != "turnip.memgraph":
         raise ValueError(f"{path} is not a turnip MemGraph file")
     if blob["version"] != FORMAT_VERSION:

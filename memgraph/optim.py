@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
 from turnip.kernels.ops import op_name
 from turnip.memgraph.errors import UnsupportedFeature
 from turnip.memgraph.taskgraph import ScalarRef, TaskGraph, TensorRef

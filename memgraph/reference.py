@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 from torch.utils import _pytree as pytree
-
 from turnip.kernels.launch import StepContext, run_vertex
 from turnip.kernels.rng import RngReplay
 from turnip.kernels.views import ref_view

@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 
 class ValueKind(str, enum.Enum):
@@ -236,7 +237,7 @@ class TaskGraph:
             live -= sum(size(o) for o in vertex.outputs if o >= 0 and o not in last_use and o not in keep)
         return peak
 
-    def copy(self) -> "TaskGraph":
+    def copy(self) -> TaskGraph:
         return dataclasses.replace(
             self,
             values=[dataclasses.replace(v) for v in self.values],

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from turnip.bench.models import gpt, mlp
 
 OPTIMIZERS = {

@@ -7,11 +7,10 @@ Skipped cleanly without CUDA (CI has none); run on the device with
 
 import pytest
 import torch
-
-from turnip import engine, memgraph
+from cases import assert_same_state, eager_steps, make_case, trainable
 from turnip.memgraph import ReferenceExecutor
 
-from cases import assert_same_state, eager_steps, make_case, trainable
+from turnip import engine, memgraph
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -7,10 +7,9 @@ further by randomized worker delays on the CPU backend).
 
 import pytest
 import torch
+from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
 
 from turnip import engine, memgraph
-
-from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
 
 BUDGETS = [1.0, 0.5, 0.25]
 RANDOM_ORDERS = 20

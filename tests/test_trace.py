@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-import torch.nn as nn
-
-from turnip import memgraph
+from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
+from torch import nn
 from turnip.memgraph import ReferenceExecutor, UnsupportedFeature
 from turnip.memgraph.taskgraph import ValueKind
 
-from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
+from turnip import memgraph
 
 
 def reference_steps(model, loss_fn, batches, make_opt, seed: int = 123):

@@ -9,7 +9,9 @@ __version__ = "0.1.0"
 
 # memgraph first: kernels and planners import its data types, and importing the
 # package in this order means no submodule ever sees a half-initialized one.
-from turnip import memgraph  # noqa: E402
-from turnip import engine  # noqa: E402
+from turnip import (
+    engine,
+    memgraph,
+)
 
 __all__ = ["engine", "memgraph"]
