@@ -42,6 +42,15 @@ def make_case(name: str, dropout: float = 0.0, device="cpu"):
     raise KeyError(name)
 
 
+def bf16_autocast(loss_fn):
+    """The same loss with its forward under CPU bf16 autocast (mixed precision)."""
+    def mixed_loss(model, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss_fn(model, batch)
+
+    return mixed_loss
+
+
 def trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 

@@ -7,7 +7,7 @@ further by randomized worker delays on the CPU backend).
 
 import pytest
 import torch
-from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
+from cases import OPTIMIZERS, assert_same_state, bf16_autocast, eager_steps, make_case, trainable
 
 from turnip import engine, memgraph
 
@@ -58,11 +58,7 @@ def test_small_budget_offloads_and_still_matches(case):
 
 def test_autocast_step_through_the_engine_is_bitwise():
     model, loss_fn, batches = make_case("gpt", dropout=0.1)
-
-    def mixed_loss(m, batch):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return loss_fn(m, batch)
-
+    mixed_loss = bf16_autocast(loss_fn)
     want_losses, want_state = eager_steps(model, mixed_loss, batches, OPTIMIZERS["adamw"])
     mg = memgraph.compile(model, mixed_loss, batches[0], optimizer=OPTIMIZERS["adamw"](trainable(model)),
                           budget=0.5, device="cpu")

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
+from cases import OPTIMIZERS, assert_same_state, bf16_autocast, eager_steps, make_case, trainable
 from torch import nn
 from turnip.memgraph import ReferenceExecutor, UnsupportedFeature
 from turnip.memgraph.taskgraph import ValueKind
@@ -58,11 +58,7 @@ def test_lora_frozen_parameters_get_no_gradient_or_state():
 
 def test_autocast_traces_to_explicit_casts_bitwise():
     model, loss_fn, batches = make_case("gpt", dropout=0.1)
-
-    def mixed_loss(m, batch):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return loss_fn(m, batch)
-
+    mixed_loss = bf16_autocast(loss_fn)
     want_losses, want_state = eager_steps(model, mixed_loss, batches, OPTIMIZERS["adamw"])
     tg, losses, state = reference_steps(model, mixed_loss, batches, OPTIMIZERS["adamw"])
     assert tg.summary()["ops"].get("aten::_to_copy", 0) > 0
