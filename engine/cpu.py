@@ -79,9 +79,6 @@ class CpuRuntime(Runtime):
         self._rng = None
         super().__init__(mg)
         self._finalizer = weakref.finalize(self, _stop_lanes, self._lanes)
-        tg = mg.taskgraph
-        self._leaf_of = {vid: i for i, vid in enumerate(tg.batch_inputs)}
-        self._output_name = {vid: name for name, vid in tg.outputs.items()}
 
     def _allocate(self, mg: MemGraph) -> None:
         # One allocation per device and one for the storage, for the life of the MemGraph.
@@ -167,7 +164,7 @@ class CpuRuntime(Runtime):
             self.bytes_of(dst, n).copy_(self.bytes_of(src, n))
 
     def _input(self, mg: MemGraph, mv, leaves: list) -> None:
-        idx = self._leaf_of.get(mv.value)
+        idx = self.leaf_of.get(mv.value)
         if idx is None:
             raise EngineError(f"input vertex {mv.id} loads value {mv.value}, which is not a batch input")
         place = mv.writes.get(mv.value)
@@ -183,7 +180,7 @@ class CpuRuntime(Runtime):
             if len(mv.reads) != 1:
                 raise EngineError(f"output vertex {mv.id} does not say where value {mv.value} is read")
             (place,) = mv.reads.values()
-        name = mv.name or self._output_name.get(mv.value) or f"value:{mv.value}"
+        name = self.output_name(mv)
         # a fresh tensor the next step cannot overwrite; dict item assignment is atomic under the GIL
         outputs[name] = self.view(mg, place, mv.value).clone()
 

@@ -85,8 +85,6 @@ class CudaRuntime(Runtime):
         self.outputs: dict[str, torch.Tensor] = {}
         self.host_out: dict[int, torch.Tensor] = {}
         tg = mg.taskgraph
-        self._leaf_of = {vid: i for i, vid in enumerate(tg.batch_inputs)}
-        self._output_name = {vid: name for name, vid in tg.outputs.items()}
         from turnip.kernels.rng import RngReplay
 
         self.rng = RngReplay(tg, torch.device("cuda", self.devices[0]))
@@ -243,7 +241,7 @@ class CudaRuntime(Runtime):
         elif kind is Kind.INPUT:
             place = mv.writes.get(mv.value) or next(iter(mv.writes.values()))
             torch.cuda.current_stream().wait_event(self._batch_ready)
-            self.view(self.mg, place, mv.value).copy_(self._leaves[self._leaf_of[mv.value]], non_blocking=True)
+            self.view(self.mg, place, mv.value).copy_(self._leaves[self.leaf_of[mv.value]], non_blocking=True)
         elif kind is Kind.OUTPUT:
             place = mv.reads.get(mv.value) or next(iter(mv.reads.values()))
             src = self.view(self.mg, place, mv.value)
@@ -251,7 +249,7 @@ class CudaRuntime(Runtime):
             if host is None:  # pinned once; reused every step
                 host = self.host_out[mv.id] = torch.empty_like(src, device="cpu").pin_memory()
             host.copy_(src, non_blocking=True)
-            self.outputs[mv.name or self._output_name.get(mv.value, f"value:{mv.value}")] = host
+            self.outputs[self.output_name(mv)] = host
         else:
             raise EngineError(f"vertex {mv.id}: unknown kind {kind!r}")
 

@@ -67,6 +67,8 @@ class Runtime:
         self.storage: torch.Tensor | None = None
         self._views: dict[tuple, torch.Tensor] = {}
         self._prepared: dict[int, object] = {}
+        self.leaf_of = {vid: i for i, vid in enumerate(mg.taskgraph.batch_inputs)}  # batch value -> leaf
+        self._output_names = {vid: name for name, vid in mg.taskgraph.outputs.items()}
         self.fuzz_seed: int | None = None  # set per step by engine.run for random orderings
         self.timing = False  # set per step by engine.run when a trace is wanted
         self._ranks: dict[str, list[int]] = {}
@@ -115,6 +117,10 @@ class Runtime:
             raise EngineError(f"{nbytes} bytes at {place.where} offset {place.offset} do not fit the place "
                               f"({place.nbytes} bytes) or its buffer ({buf.numel()} bytes)")
         return buf[place.offset:place.offset + nbytes]
+
+    def output_name(self, mv) -> str:
+        """The key an OUTPUT vertex's value gets in the dict engine.run returns."""
+        return mv.name or self._output_names.get(mv.value) or f"value:{mv.value}"
 
     def prepared(self, mg: MemGraph, mv):
         """The compute vertex bound once to its arena views (cached: places never move)."""

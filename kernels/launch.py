@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
-from turnip.kernels.ops import UNINITIALIZED, out_variant, resolve_op
+from turnip.kernels.ops import UNINITIALIZED, flatten_returns, out_variant, resolve_op
 from turnip.kernels.rng import RngReplay, replay
 from turnip.kernels.views import ref_view
 from turnip.memgraph.taskgraph import ScalarRef, TaskGraph, TensorRef, Vertex
@@ -31,15 +31,6 @@ def _materialize(template, resolve: Resolve, scalars: Mapping[str, float]):
     if isinstance(template, dict):
         return {k: _materialize(t, resolve, scalars) for k, t in template.items()}
     return template
-
-
-def _flat_results(result) -> list:
-    if isinstance(result, (tuple, list)):
-        flat = []
-        for item in result:
-            flat.extend(_flat_results(item))
-        return flat
-    return [result]
 
 
 def run_vertex(vertex: Vertex, resolve: Resolve, outputs: Sequence[torch.Tensor | None] | None,
@@ -69,7 +60,7 @@ def run_vertex(vertex: Vertex, resolve: Resolve, outputs: Sequence[torch.Tensor 
     result = replay(rng_state, device, lambda: op(*args, **kwargs))
     if vertex.copy_in:  # in-place: the outputs already hold the result
         return outs
-    flat = _flat_results(result)
+    flat = flatten_returns(result)
     if len(flat) < len(vertex.outputs):
         raise RuntimeError(f"{vertex.op} returned {len(flat)} results, the graph expects {len(vertex.outputs)}")
     for i, vid in enumerate(vertex.outputs):
@@ -174,7 +165,7 @@ class PreparedVertex:
         result = replay(rng_state, device, lambda: self.op(*args, **kwargs))
         if self.out_names or self.copies:
             return
-        flat = _flat_results(result)
+        flat = flatten_returns(result)
         for out, res in zip(self.outputs, flat):
             if out is not None:
                 out.copy_(res)

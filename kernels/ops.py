@@ -24,6 +24,17 @@ def resolve_op(name: str) -> torch._ops.OpOverload:
         raise ValueError(f"unknown ATen op {name!r} (a synthetic graph cannot be executed)") from err
 
 
+def flatten_returns(result) -> list:
+    """An op's returns as a flat list (nested tuples/lists opened). The trace numbers a vertex's
+    outputs by this order and the launcher reads results back by it, so both use this one."""
+    if isinstance(result, (tuple, list)):
+        flat = []
+        for item in result:
+            flat.extend(flatten_returns(item))
+        return flat
+    return [result]
+
+
 def is_random(op: torch._ops.OpOverload) -> bool:
     return torch.Tag.nondeterministic_seeded in op.tags
 

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
-from turnip.kernels.ops import is_random, op_name
+from turnip.kernels.ops import flatten_returns, is_random, op_name
 from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
 from turnip.memgraph.optim import UpdateEmitter, initial_states, spec_from_optimizer
 from turnip.memgraph.taskgraph import TaskGraph, TensorRef, ValueKind
@@ -85,15 +85,6 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _flat_tensors(val) -> list:
-    if isinstance(val, (tuple, list)):
-        out = []
-        for item in val:
-            out.extend(_flat_tensors(item))
-        return out
-    return [val]
-
-
 def _fake_like(mode, t: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:
     with mode:
         fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
@@ -147,7 +138,7 @@ class _GraphReader:
         name = op_name(op)
         phase = "forward" if index < self.forward_end else "backward"
         module = self.modules.module_at(index) if phase == "forward" else ""
-        flat = _flat_tensors(node.meta.get("val"))
+        flat = flatten_returns(node.meta.get("val"))
         if any(not (t is None or isinstance(t, torch.Tensor) or type(t) in (int, float, bool)) for t in flat):
             raise UnsupportedOp(name, module, "returns a symbolic value (data-dependent result)")
         results = [t for t in flat if isinstance(t, torch.Tensor)]
