@@ -12,6 +12,10 @@ from turnip.bench.peers.common import PeerResult, guarded, time_limit, timed_ste
 
 STEPS = 2
 TORCH_PEERS = ("checkpoint", "offload", "checkpoint_offload")
+# save_on_cpu (torch >= 2.13) brings saved tensors back contiguous, so a backward matmul that eager
+# runs on a transposed view runs on a copy and rounds differently: these peers agree with eager to
+# float rounding, not bitwise (measured: 6e-5 relative on the tiny GPT's second loss).
+PEER_RTOL = {"checkpoint": 1e-6, "offload": 1e-4, "checkpoint_offload": 1e-4}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -39,7 +43,7 @@ def gpt_eager(gpt):
 def test_peer_losses_match_eager_on_tiny_gpt(gpt, gpt_eager, system):
     res = PEERS[system](gpt, "cpu", STEPS)
     assert res.status == "ok", res.error
-    assert res.losses == pytest.approx(gpt_eager.losses, rel=1e-6, abs=1e-6)
+    assert res.losses == pytest.approx(gpt_eager.losses, rel=PEER_RTOL[system], abs=1e-6)
     assert res.losses[0] != res.losses[-1]  # the optimizer really stepped
     assert len(res.step_s) == STEPS and res.first_step_s is not None
     assert res.peak_allocated is None and res.peak_reserved is None  # no GPU memory on the CPU
@@ -53,7 +57,7 @@ def test_peer_losses_match_eager_on_lora_and_llama(name):
     want = eager.run(workload, "cpu", 1).losses
     res = offload.run_checkpoint_offload(workload, "cpu", 1)  # both mechanisms at once: the costliest to get right
     assert res.status == "ok", res.error
-    assert res.losses == pytest.approx(want, rel=1e-6, abs=1e-6)
+    assert res.losses == pytest.approx(want, rel=PEER_RTOL["checkpoint_offload"], abs=1e-6)
 
 
 def test_offload_counts_bytes_each_way(gpt):
