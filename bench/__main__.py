@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 import torch
+from turnip.bench.ablation import main as ablation_main
 from turnip.bench.results import result_path
+from turnip.bench.suite import DEFAULT_SYSTEMS, TINY_SYSTEMS, SuiteConfig, format_table, run_suite
 
 
 def _floats(text: str) -> list[float]:
@@ -32,8 +34,6 @@ def _out(args) -> Path:
 
 
 def suite(args) -> int:
-    from turnip.bench.suite import DEFAULT_SYSTEMS, TINY_SYSTEMS, SuiteConfig, format_table, run_suite
-
     device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     cfg = SuiteConfig(
         models=_names(args.models or "gpt350m"),
@@ -53,8 +53,6 @@ def suite(args) -> int:
 
 
 def ablation(args) -> int:
-    from turnip.bench.ablation import main as ablation_main
-
     argv = ["--out", str(_out(args))]
     if args.tiny:
         argv.append("--tiny")

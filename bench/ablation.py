@@ -25,11 +25,17 @@ import time
 from pathlib import Path
 
 import torch
+from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
+from turnip.bench.models.sizes import make_workload
+from turnip.bench.peers.common import sync, trainable
 from turnip.bench.results import result_path, run_metadata
-from turnip.engine.sim import simulate
-from turnip.memgraph.memgraph import Edge, Kind, MemGraph, Place, Stream
-from turnip.memgraph.taskgraph import TaskGraph
-from turnip.planners.plan import Plan
+from turnip.engine.timing_sim import simulate
+from turnip.ir.memgraph import Edge, Kind, MemGraph, Place, Stream
+from turnip.ir.plan import Plan
+from turnip.ir.taskgraph import TaskGraph
+from turnip.planners.costs import CostModel
+
+from turnip import engine, memgraph
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +104,7 @@ def synthetic_step(layers: int = 24, t_fwd: float = 1e-3, t_bwd: float = 2e-3, t
 
 def traced_gpt(tiny: bool) -> MemGraph:
     """A GPT compiled for the CPU under a budget that forces offloads, with analytic GPU op times."""
-    from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
-    from turnip.planners.costs import CostModel
 
-    from turnip import memgraph
 
     torch.manual_seed(0)
     cfg = (GPTConfig(vocab=64, seq=32, d_model=64, n_layers=3, n_heads=4) if tiny
@@ -156,11 +159,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def device_ablation(model_name: str, budget: float, repeat: int, device: str, time_limit: float) -> dict:
     """Both orderings on one compiled MemGraph, alternating, plus the simulator's prediction of each."""
-    from turnip.bench.models.sizes import make_workload
-    from turnip.bench.peers.common import sync, trainable
-    from turnip.planners.costs import CostModel
 
-    from turnip import engine, memgraph
 
     tiny = device == "cpu"
     workload = make_workload(model_name, tiny=tiny)

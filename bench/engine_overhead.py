@@ -19,7 +19,11 @@ import time
 
 import torch
 from turnip.bench.results import result_path, run_metadata
-from turnip.memgraph.taskgraph import TaskGraph, ValueKind
+from turnip.engine.cuda import CudaRuntime
+from turnip.ir.plan import Plan
+from turnip.ir.taskgraph import TaskGraph, ValueKind
+
+from turnip import engine, memgraph
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +107,7 @@ def primitive_costs(iterations: int = 2000) -> dict[str, float]:
 
 
 def turnip_us_per_vertex(tg: TaskGraph, repeat: int, ordering: str, depth: int, streams: dict | None):
-    from turnip.engine.cuda import CudaRuntime
-    from turnip.planners.plan import Plan
 
-    from turnip import engine, memgraph
 
     mg = memgraph.build(tg, Plan(gpu_budget=1 << 34))
     mg.device = "cuda"

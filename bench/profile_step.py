@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from turnip.bench.models.sizes import make_workload
 from turnip.bench.results import result_path, run_metadata
-from turnip.memgraph.memgraph import Kind
+from turnip.ir.memgraph import Kind
 
 from turnip import engine, memgraph
 

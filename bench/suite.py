@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from turnip.bench.models.llama import Unavailable
+from turnip.bench.models.sizes import make_workload
 from turnip.bench.peers import PEERS, turnip_system
 from turnip.bench.peers.common import NOT_INSTALLED, SKIPPED, PeerResult
 from turnip.bench.results import run_metadata
@@ -81,9 +83,6 @@ def make_row(model: str, result: PeerResult, budget: float | None, eager: PeerRe
 
 
 def run_model(cfg: SuiteConfig, name: str, deadline: float) -> list[dict]:
-    from turnip.bench.models.llama import Unavailable
-    from turnip.bench.models.sizes import make_workload
-
     label = name + ("-tiny" if cfg.tiny else "")
     stem = label + (f"_{cfg.tag}" if cfg.tag else "")  # split runs of one model keep apart files
     path = cfg.out / f"suite_{stem}.json"

@@ -8,7 +8,7 @@ completions. See DESIGN.md, "Runtime contract".
 from turnip.engine.errors import BatchError, EngineError, ResourceError, StallError, VertexError
 from turnip.engine.policy import DeterministicPolicy, Policy, RandomPolicy, SerialPolicy
 from turnip.engine.run import run
-from turnip.engine.sim import simulate
+from turnip.engine.timing_sim import simulate
 
 __all__ = [
     "BatchError",

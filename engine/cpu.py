@@ -20,7 +20,8 @@ import torch
 from turnip.engine.errors import EngineError
 from turnip.engine.loop import Completion, Launch
 from turnip.engine.runtime import Runtime
-from turnip.memgraph.memgraph import Kind, MemGraph
+from turnip.ir.memgraph import Kind, MemGraph
+from turnip.kernels.step import RngReplay, StepContext
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,6 @@ class CpuRuntime(Runtime):
 
     # -- step ----------------------------------------------------------------------------
     def begin_step(self, mg: MemGraph, leaves: list, step: int) -> None:
-        from turnip.kernels.launch import StepContext
-        from turnip.kernels.rng import RngReplay
-
         if self._rng is None:  # its scratch buffers are reused by every step
             self._rng = RngReplay(mg.taskgraph, torch.device("cpu"))
         ctx = StepContext(mg.taskgraph, step, torch.device("cpu"), rng=self._rng)

@@ -28,7 +28,8 @@ import torch
 from turnip.engine.errors import EngineError
 from turnip.engine.loop import Completion, Launch
 from turnip.engine.runtime import Runtime
-from turnip.memgraph.memgraph import Kind, MemGraph, Stream
+from turnip.ir.memgraph import Kind, MemGraph, Stream
+from turnip.kernels.step import RngReplay, StepContext
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,6 @@ class CudaRuntime(Runtime):
         self.outputs: dict[str, torch.Tensor] = {}
         self.host_out: dict[int, torch.Tensor] = {}
         tg = mg.taskgraph
-        from turnip.kernels.rng import RngReplay
 
         self.rng = RngReplay(tg, torch.device("cuda", self.devices[0]))
         self._ctx = None
@@ -106,8 +106,6 @@ class CudaRuntime(Runtime):
 
     # -- step ----------------------------------------------------------------------------
     def begin_step(self, mg: MemGraph, leaves: list, step: int) -> None:
-        from turnip.kernels.launch import StepContext
-
         self._ctx = StepContext(mg.taskgraph, step, torch.device("cuda", self.devices[0]), self.rng)
         self._leaves = leaves
         self.outputs = {}

@@ -26,9 +26,10 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from turnip.engine.errors import ResourceError, StallError, VertexError, describe_vertex, format_vertex
+from turnip.engine.errors import ResourceError, StallError, VertexError
 from turnip.engine.resources import LockTable, StreamPool, WorkspacePool
-from turnip.memgraph.memgraph import Kind, MemGraph, Stream
+from turnip.ir.describe import describe_vertex, format_info, format_vertex
+from turnip.ir.memgraph import MemGraph, Stream
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class Scheduler:
         lines = []
         for vid in stuck[:limit]:
             mv = mg.vertices[vid]
-            what = format_vertex(describe_vertex(mg, vid))
+            what = format_vertex(mg, vid)
             if self.state[vid] == WAITING:
                 waiting = [p for p in preds[vid] if self.state[p] != DONE]
                 lines.append(f"  {what}: waits for {waiting}")
@@ -328,14 +329,6 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
     if failure is not None:
         vid, exc = failure
         info = describe_vertex(mg, vid)
-        raise VertexError(f"{format_vertex(info)} failed: {type(exc).__name__}: {exc}",
-                          vid, info["kind"], info["op"], info["module"], info["inputs"]) from exc
+        raise VertexError(f"{format_info(info)} failed: {type(exc).__name__}: {exc}",
+                          vid, info.kind, info.op, info.module, info.inputs) from exc
     return records
-
-
-def describe_launch(mg: MemGraph, vid: int) -> str:
-    """Short slice name for traces and logs: the op for compute, else kind and value."""
-    mv = mg.vertices[vid]
-    if mv.kind is Kind.COMPUTE and 0 <= mv.task_vertex < len(mg.taskgraph.vertices):
-        return mg.taskgraph.vertices[mv.task_vertex].op
-    return f"{mv.kind.value} v{mv.value}" if mv.value >= 0 else mv.kind.value

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from turnip.memgraph.memgraph import Stream
+from turnip.ir.memgraph import Stream
 
 # Stream instances per class when the caller does not say. The paper used 5
 # streams per GPU; CPU lanes are worker threads, and torch ops already use

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 from torch.utils._pytree import tree_flatten
+from turnip.engine.chrome_trace import write_trace
 from turnip.engine.errors import BatchError, EngineError
 from turnip.engine.loop import Record, Scheduler, drive
 from turnip.engine.policy import Policy, make_policy
 from turnip.engine.resources import StreamPool, WorkspacePool, stream_counts
-from turnip.engine.trace import write_trace
-from turnip.memgraph.memgraph import MemGraph
+from turnip.ir.memgraph import MemGraph
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,9 @@ import threading
 import torch
 from turnip.engine.errors import EngineError
 from turnip.engine.loop import StaticGraph
-from turnip.memgraph.memgraph import MemGraph, Place
+from turnip.ir.memgraph import MemGraph, Place
+from turnip.kernels.launch import PreparedVertex
+from turnip.kernels.views import ref_view, typed_view
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +98,6 @@ class Runtime:
         key = (place.where, place.device, place.offset, value)
         t = self._views.get(key)
         if t is None:
-            from turnip.kernels.views import typed_view
-
             val = mg.taskgraph.values[value]
             buf = self.buffer(place)
             if place.offset < 0 or place.offset + val.nbytes > buf.numel():
@@ -127,9 +127,6 @@ class Runtime:
         cache = self._prepared
         prepared = cache.get(mv.id)
         if prepared is None:
-            from turnip.kernels.launch import PreparedVertex
-            from turnip.kernels.views import ref_view
-
             tv = mg.taskgraph.vertices[mv.task_vertex]
             reads = mv.reads
 

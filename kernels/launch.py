@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from turnip.ir.taskgraph import ScalarRef, TensorRef, Vertex
 from turnip.kernels.ops import UNINITIALIZED, flatten_returns, out_variant, resolve_op
-from turnip.kernels.rng import RngReplay, replay
+from turnip.kernels.rng import replay
 from turnip.kernels.views import ref_view
-from turnip.memgraph.taskgraph import ScalarRef, TaskGraph, TensorRef, Vertex
 
 Resolve = Callable[[TensorRef], torch.Tensor]
 
@@ -169,23 +169,3 @@ class PreparedVertex:
         for out, res in zip(self.outputs, flat):
             if out is not None:
                 out.copy_(res)
-
-
-class StepContext:
-    """Per-step host state: the optimizer's scalars and the random vertices' generator states."""
-
-    def __init__(self, taskgraph: TaskGraph, step: int, device: torch.device | str, rng: RngReplay | None = None):
-        self.taskgraph = taskgraph
-        self.step = step
-        self.device = torch.device(device)
-        self.scalars = taskgraph.optimizer.scalars(step) if taskgraph.optimizer is not None else {}
-        rng = rng if rng is not None else RngReplay(taskgraph, self.device)
-        self.rng_states = rng.capture()
-
-    def rng_state(self, vertex: Vertex) -> torch.Tensor | None:
-        if not vertex.random:
-            return None
-        return self.rng_states[vertex.recompute_of if vertex.recompute_of >= 0 else vertex.id]
-
-    def run(self, vertex: Vertex, resolve: Resolve, outputs: Sequence[torch.Tensor | None]) -> None:
-        run_vertex(vertex, resolve, outputs, self.scalars, self.rng_state(vertex), self.device)

@@ -6,12 +6,13 @@
     mg = memgraph.compile(model, loss_fn, batch, optimizer=opt, budget="6GiB")
 """
 
-from turnip.memgraph.build import InfeasibleBudget, build
+from turnip.ir.errors import InfeasibleBudget
+from turnip.ir.memgraph import MemGraph, load
+from turnip.ir.taskgraph import TaskGraph
+from turnip.memgraph.build import build
 from turnip.memgraph.compile import compile
 from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
-from turnip.memgraph.memgraph import MemGraph, load
 from turnip.memgraph.reference import ReferenceExecutor
-from turnip.memgraph.taskgraph import TaskGraph
 from turnip.memgraph.trace import trace
 from turnip.memgraph.verify import verify
 

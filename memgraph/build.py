@@ -1,6 +1,6 @@
 """memgraph.build: TaskGraph + Plan -> MemGraph, and the smallest GPU budget a plan builds in.
 
-The work is done by `simulate.Simulation` (the paper's BuildMemGraph). Here:
+The work is done by `horizons.HorizonWalk` (the paper's BuildMemGraph). Here:
 expanding the plan's recomputation, the budget checks, and finding the
 minimum when the plan's budget is too small: the lower bound (GPU homes +
 the largest single step + workspace) always builds when pinned CPU storage
@@ -13,32 +13,15 @@ import gc
 import logging
 import time
 
-from turnip.memgraph.memgraph import MemGraph
+from turnip.ir.describe import format_task_vertex
+from turnip.ir.errors import InfeasibleBudget
+from turnip.ir.memgraph import MemGraph
+from turnip.ir.plan import Plan
+from turnip.ir.taskgraph import TaskGraph
+from turnip.memgraph.horizons import HorizonWalk, OutOfMemory
 from turnip.memgraph.schedule import Schedule
-from turnip.memgraph.simulate import OutOfMemory, Simulation
-from turnip.memgraph.taskgraph import TaskGraph
-from turnip.planners.plan import Plan
 
 log = logging.getLogger(__name__)
-
-
-class InfeasibleBudget(ValueError):
-    """The plan's GPU budget is below what the step can ever run in.
-
-    ``minimum`` is the smallest GPU budget (bytes) that builds with this plan,
-    ``vertex`` the TaskGraph vertex needing it (-1 when none is to blame),
-    ``resource`` "gpu", or "cpu" when no GPU budget helps because pinned CPU
-    storage (plan.cpu_budget) is too small; ``minimum`` is then the CPU bytes
-    the CPU homes alone need.
-    """
-
-    def __init__(self, message: str, minimum: int, vertex: int = -1, resource: str = "gpu"):
-        super().__init__(message)
-        self.minimum = minimum
-        self.vertex = vertex
-        self.resource = resource
-
-
 
 
 def _attempt(tg: TaskGraph, order: list[int], plan: Plan, alignment: int, gpu_budget: int,
@@ -48,7 +31,7 @@ def _attempt(tg: TaskGraph, order: list[int], plan: Plan, alignment: int, gpu_bu
     scheduled = time.perf_counter() - started
     if gpu_budget < sched.min_gpu_budget()[0]:
         raise OutOfMemory("gpu", -1)  # some step cannot fit: no need to simulate
-    mg = Simulation(tg, order, plan, alignment, gpu_budget, sched, compact).run()
+    mg = HorizonWalk(tg, order, plan, alignment, gpu_budget, sched, compact).run()
     mg.stats["seconds_schedule"] = scheduled
     return mg
 
@@ -99,10 +82,7 @@ def _minimum(graph: TaskGraph, order: list[int], plan: Plan, alignment: int,
 
 
 def _describe(graph: TaskGraph, vertex: int) -> str:
-    if vertex < 0:
-        return "the GPU-resident parameters and states alone"
-    v = graph.vertices[vertex]
-    return f"vertex {vertex} ({v.op}, module '{v.module}')"
+    return "the GPU-resident parameters and states alone" if vertex < 0 else format_task_vertex(graph, vertex)
 
 
 def build(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, compact: bool = False) -> MemGraph:

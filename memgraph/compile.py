@@ -6,10 +6,15 @@ import logging
 import time
 
 import torch
-from turnip.memgraph.budget import format_bytes, parse_budget
-from turnip.memgraph.memgraph import MemGraph
+from turnip.ir.budget import format_bytes, parse_budget
+from turnip.ir.errors import InfeasibleBudget
+from turnip.ir.memgraph import MemGraph
+from turnip.ir.plan import Plan
+from turnip.memgraph.build import build
 from turnip.memgraph.trace import trace
-from turnip.planners.plan import Plan
+from turnip.planners.costs import default_costs
+
+from turnip import planners
 
 UNBOUNDED = 1 << 62  # a budget nothing ever exceeds
 
@@ -33,16 +38,12 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     fused_optimizer: Adam/AdamW as one fused kernel per parameter (default on CUDA); off, the
     exact single-tensor torch.optim update (the CPU default, bitwise equal to eager).
     """
-    from turnip.memgraph.build import InfeasibleBudget, build
-
     device = torch.device(device or default_device())
     alignment = alignment or (256 if device.type == "cuda" else 64)
     started = time.perf_counter()
     tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device, fused_optimizer=fused_optimizer)
     costs = planner_options.pop("costs", None)
     if planner != "none":  # op times and workspace first: the unplanned peak includes workspace
-        from turnip.planners.costs import default_costs
-
         costs = costs if costs is not None else default_costs(tg)
         costs.annotate(tg)
     # compact: reuse freed bytes first, so the arena is the peak rather than the sum of all values
@@ -80,11 +81,4 @@ def unplanned_peak(keep_all: MemGraph) -> int:
 def make_plan(tg, gpu_budget: int, cpu_budget: int | None, planner: str, **options):
     if planner == "none":
         return Plan(gpu_budget=gpu_budget, cpu_budget=cpu_budget, planner="none")
-    from turnip import planners
-
-    plan_fn = getattr(planners, "plan", None)
-    if not callable(plan_fn):
-        if planner != "auto":
-            raise ValueError(f"planner {planner!r} is not available in this build") from None
-        return Plan(gpu_budget=gpu_budget, cpu_budget=cpu_budget, planner="none")
-    return plan_fn(tg, gpu_budget, cpu_budget=cpu_budget, method=planner, **options)
+    return planners.plan(tg, gpu_budget, cpu_budget=cpu_budget, method=planner, **options)

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from turnip.ir.taskgraph import ScalarRef, TaskGraph, TensorRef
 from turnip.kernels.ops import op_name
 from turnip.memgraph.errors import UnsupportedFeature
-from turnip.memgraph.taskgraph import ScalarRef, TaskGraph, TensorRef
 
 aten = torch.ops.aten
 

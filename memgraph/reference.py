@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 from torch.utils import _pytree as pytree
-from turnip.kernels.launch import StepContext, run_vertex
-from turnip.kernels.rng import RngReplay
+from turnip.ir.taskgraph import TaskGraph, TensorRef
+from turnip.kernels.launch import run_vertex
+from turnip.kernels.step import RngReplay, StepContext
 from turnip.kernels.views import ref_view
-from turnip.memgraph.taskgraph import TaskGraph, TensorRef
 
 
 class ReferenceExecutor:

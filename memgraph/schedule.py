@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import itertools
 
-from turnip.memgraph.taskgraph import TaskGraph, TensorRef, ValueKind
-from turnip.planners.plan import CPU, GPU, Plan
+from turnip.ir.plan import CPU, GPU, Plan
+from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind
 
 TASK, OUT, WB = 0, 1, 2
 

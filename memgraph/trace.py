@@ -21,10 +21,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
+from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind
 from turnip.kernels.ops import flatten_returns, is_random, op_name
 from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
 from turnip.memgraph.optim import UpdateEmitter, initial_states, spec_from_optimizer
-from turnip.memgraph.taskgraph import TaskGraph, TensorRef, ValueKind
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from turnip.memgraph.memgraph import Edge, Kind, MemGraph, Stream
-from turnip.memgraph.taskgraph import ValueKind
+from turnip.ir.describe import format_vertex
+from turnip.ir.memgraph import Edge, Kind, MemGraph, Stream
+from turnip.ir.taskgraph import ValueKind
 
 START, END = "start", "end"  # virtual writer of the homes / reader of the final homes
 MAX_REPORTS = 40  # per kind of violation
@@ -52,9 +53,7 @@ class _Verifier:
             return "START"
         if x == END:
             return "END"
-        v = self.mg.vertices[x]
-        what = f"task {v.task_vertex} {self.tg.vertices[v.task_vertex].op}" if v.kind is Kind.COMPUTE else f"value {v.value}"
-        return f"{v.kind.value} #{x} ({what})"
+        return format_vertex(self.mg, x, inputs=False)
 
     def run(self) -> list[str]:
         if not self._structure() or not self._order():

@@ -3,14 +3,15 @@
     plan = planners.plan(taskgraph, gpu_budget, cpu_budget=None, method="auto")
 
 method: "auto" (the ILP, the greedy plan when the ILP finds nothing in time), "ilp", "greedy".
-The heavy modules (numpy, PuLP) load on first use: memgraph imports this package for Plan.
 """
 
 from __future__ import annotations
 
-from turnip.planners.plan import CPU, GPU, Plan, Recompute
+from turnip.ir.errors import InfeasibleBudget
+from turnip.ir.plan import CPU, GPU, Plan, Recompute
+from turnip.planners.driver import run_plan
 
-__all__ = ["CPU", "GPU", "Plan", "Recompute", "plan"]
+__all__ = ["CPU", "GPU", "InfeasibleBudget", "Plan", "Recompute", "plan"]
 
 
 def plan(taskgraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
@@ -30,10 +31,7 @@ def plan(taskgraph, gpu_budget: int, cpu_budget: int | None = None, method: str 
     The Plan carries predicted_time (seconds per step), predicted_peak (arena bytes plus the
     largest workspace) and, in stats, the solver's status and gap and the mix (bytes kept,
     offloaded, recomputed; weights and optimizer states streamed).
-    Raises turnip.memgraph.build.InfeasibleBudget (ValueError where the builder is absent)
-    naming the smallest budget that could work (.minimum).
+    Raises InfeasibleBudget (a ValueError) naming the smallest budget that could work (.minimum).
     """
-    from turnip.planners.driver import run_plan
-
     return run_plan(taskgraph, gpu_budget, cpu_budget=cpu_budget, method=method, time_limit=time_limit,
                     costs=costs, **opts)

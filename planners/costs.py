@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from turnip.memgraph.taskgraph import ScalarRef, TaskGraph, TensorRef, Vertex
+from turnip.ir.taskgraph import ScalarRef, TaskGraph, TensorRef, Vertex
+from turnip.kernels.launch import writes_in_place
+from turnip.kernels.ops import resolve_op
+from turnip.planners import measure
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +133,6 @@ def _arg(vertex: Vertex, name: str) -> Any:
     if name in vertex.kwargs:
         return vertex.kwargs[name]
     try:
-        from turnip.kernels.ops import resolve_op
-
         names = [a.name for a in resolve_op(vertex.op)._schema.arguments]
     except (ValueError, AttributeError, ImportError):
         return None
@@ -163,8 +164,6 @@ def analytic_workspace(tg: TaskGraph, vertex: Vertex) -> int:
     """Temporary bytes beyond the outputs. Ops with an out= overload write straight into their
     places; the others (fused attention and its backward) compute, then copy, so their own
     result is scratch memory while they run."""
-    from turnip.kernels.launch import writes_in_place
-
     if writes_in_place(vertex):
         return 0
     return sum(tg.values[o].nbytes for o in vertex.outputs if o >= 0)
@@ -265,9 +264,8 @@ class CostModel:
     def cache(self) -> CostCache:
         if self._cache is None:
             import torch
-            from turnip.planners.measure import device_name
 
-            self._cache = CostCache(self.cache_dir, device_name(self.device), torch.__version__)
+            self._cache = CostCache(self.cache_dir, measure.device_name(self.device), torch.__version__)
         return self._cache
 
     @property
@@ -283,9 +281,7 @@ class CostModel:
             return getattr(self.spec, direction)
         cache = self.cache
         if direction not in cache.bandwidth:
-            from turnip.planners.measure import measure_bandwidth
-
-            cache.bandwidth.update(measure_bandwidth(self.device))
+            cache.bandwidth.update(measure.measure_bandwidth(self.device))
             cache.save()
         return cache.bandwidth[direction]
 
@@ -311,8 +307,6 @@ class CostModel:
         return tg
 
     def _annotate_measured(self, tg: TaskGraph, todo: list[Vertex]) -> None:
-        from turnip.planners.measure import measure_vertex
-
         cache = self.cache
         sigs = {v.id: signature(tg, v) for v in todo}
         missing: dict[str, Vertex] = {}
@@ -325,7 +319,7 @@ class CostModel:
                      len(missing), self.device, len(todo), self.cache_hits)
         for sig, v in missing.items():
             try:
-                seconds, workspace = measure_vertex(tg, v, self.device, runs=self.runs, warmup=self.warmup)
+                seconds, workspace = measure.measure_vertex(tg, v, self.device, runs=self.runs, warmup=self.warmup)
             except Exception as err:  # noqa: BLE001 - any op that cannot run standalone: estimate, do not cache
                 log.warning("cannot measure %s (%s); using the analytic estimate", v.op, err)
                 seconds, workspace = self.estimate(tg, v)

@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 import time
 
-from turnip.memgraph.budget import format_bytes
-from turnip.memgraph.taskgraph import TaskGraph
+from turnip.ir.budget import format_bytes
+from turnip.ir.errors import InfeasibleBudget
+from turnip.ir.plan import Plan
+from turnip.ir.taskgraph import TaskGraph
+from turnip.planners import ilp, solver
 from turnip.planners.costs import CostModel, default_costs
 from turnip.planners.decode import from_solution, to_plan
 from turnip.planners.greedy import greedy
 from turnip.planners.memory import Decisions, Evaluation, evaluate
 from turnip.planners.model import Problem
-from turnip.planners.plan import Plan
 from turnip.planners.problem import build_problem
 
 log = logging.getLogger(__name__)
@@ -54,14 +56,11 @@ def run_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, meth
         stats["reason"] = "greedy requested" if method == "greedy" else "everything fits"
         return _finish(problem, g_dec, g_ev, "greedy", stats)
 
-    from turnip.planners.ilp import formulate, start_values
-    from turnip.planners.solver import solve
-
     solver_opts = {k: v for k, v in opts.items() if k in _SOLVER_OPTS and v is not None}
     solver_opts.setdefault("gap", 5e-3)  # the cost model itself is not more accurate than this
-    f = formulate(problem)
-    start = start_values(problem, f, g_ev.options, g_dec.cpu, g_ev.window_time) if g_ev.feasible else None
-    result = solve(f, start, time_limit=time_limit, **solver_opts)
+    f = ilp.formulate(problem)
+    start = ilp.start_values(problem, f, g_ev.options, g_dec.cpu, g_ev.window_time) if g_ev.feasible else None
+    result = solver.solve(f, start, time_limit=time_limit, **solver_opts)
     stats.update({"solver": result.solver, "status": result.status, "optimal": result.optimal,
                   "gap": result.gap, "objective_ms": result.objective, "bound_ms": result.bound,
                   "solve_seconds": result.seconds, "ilp_build_seconds": result.stats.get("build_seconds"),
@@ -119,11 +118,4 @@ def raise_infeasible(problem: Problem, needed: int) -> None:
            f"step: the smallest budget that could work is {format_bytes(needed)} ({needed} bytes), the largest "
            f"single op's inputs and outputs plus {format_bytes(problem.max_workspace)} of op workspace, with every "
            f"weight and optimizer state streamed from the CPU")
-    try:
-        from turnip.memgraph.build import InfeasibleBudget
-    except ImportError:  # the builder is not part of this checkout
-        err = ValueError(msg)
-        err.minimum = needed
-    else:
-        err = InfeasibleBudget(msg, minimum=needed)
-    raise err
+    raise InfeasibleBudget(msg, minimum=needed)

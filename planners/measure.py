@@ -13,9 +13,9 @@ import statistics
 import time
 
 import torch
+from turnip.ir.taskgraph import TaskGraph, TensorRef, Vertex
 from turnip.kernels.launch import run_vertex
 from turnip.kernels.views import ref_view
-from turnip.memgraph.taskgraph import TaskGraph, TensorRef, Vertex
 
 log = logging.getLogger(__name__)
 

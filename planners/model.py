@@ -30,7 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
-from turnip.memgraph.taskgraph import TaskGraph
+from turnip.ir.taskgraph import TaskGraph
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import logging
 import math
 
 import numpy as np
-from turnip.memgraph.taskgraph import TaskGraph, ValueKind
+from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Group, Item, Option, Problem, make_windows, step_order
 
 log = logging.getLogger(__name__)

@@ -7,9 +7,9 @@ explicitly, so the tests check the engine alone.
 from __future__ import annotations
 
 import torch
-from turnip.memgraph.memgraph import Edge, Kind, MemGraph, Place, Stream
-from turnip.memgraph.taskgraph import TaskGraph, TensorRef, ValueKind
-from turnip.planners.plan import Plan
+from turnip.ir.memgraph import Edge, Kind, MemGraph, Place, Stream
+from turnip.ir.plan import Plan
+from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind
 
 F32 = torch.float32
 aten = torch.ops.aten

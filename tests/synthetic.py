@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 import random
 
-from turnip.memgraph.taskgraph import TaskGraph, ValueKind
-from turnip.planners.plan import CPU, Plan, Recompute
+from turnip.ir.plan import CPU, Plan, Recompute
+from turnip.ir.taskgraph import TaskGraph, ValueKind
 
 PERSISTENT = (ValueKind.PARAMETER, ValueKind.FROZEN, ValueKind.OPTIMIZER_STATE, ValueKind.CONSTANT)
 

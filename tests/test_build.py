@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from synthetic import chain_of_blocks, random_plan, random_taskgraph, unconstrained_budget
+from turnip.ir.memgraph import Edge, Kind, MemGraph, Stream, load
+from turnip.ir.plan import CPU, Plan
+from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph import InfeasibleBudget, build, verify
 from turnip.memgraph.build import minimum_budget
-from turnip.memgraph.memgraph import Edge, Kind, MemGraph, Stream, load
-from turnip.memgraph.taskgraph import TaskGraph, ValueKind
-from turnip.planners.plan import CPU, Plan
 
 log = logging.getLogger(__name__)
 PROPERTY = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
+from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph import trace
-from turnip.memgraph.taskgraph import TaskGraph, ValueKind
 from turnip.planners import costs as costs_mod
 from turnip.planners import measure as measure_mod
 from turnip.planners.costs import H100, CostCache, CostModel, DeviceSpec, analytic_time, signature

@@ -10,9 +10,9 @@ import pytest
 import torch
 from engine_graphs import Placer, add_value, finish, new_memgraph, ref, step_graph, wide_graph
 from turnip.engine.errors import EngineError
-from turnip.memgraph import memgraph as mgmod
-from turnip.memgraph.memgraph import Edge, Kind, Stream
-from turnip.memgraph.taskgraph import TaskGraph, TensorRef, ValueKind
+from turnip.ir import memgraph as mgmod
+from turnip.ir.memgraph import Edge, Kind, Stream
+from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind
 
 from turnip import engine
 

@@ -9,8 +9,8 @@ import torch
 from engine_graphs import Placer, add_value, finish, new_memgraph, ref, step_graph, wide_graph
 from turnip.engine import BatchError, StallError, VertexError
 from turnip.engine.errors import ResourceError
-from turnip.memgraph.memgraph import Edge, Kind, Place, Stream
-from turnip.memgraph.taskgraph import TaskGraph, ValueKind
+from turnip.ir.memgraph import Edge, Kind, Place, Stream
+from turnip.ir.taskgraph import TaskGraph, ValueKind
 
 from turnip import engine
 

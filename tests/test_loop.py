@@ -11,9 +11,9 @@ from turnip.engine.errors import ResourceError
 from turnip.engine.loop import Completion, Scheduler, StaticGraph, drive
 from turnip.engine.policy import make_policy, serial_positions
 from turnip.engine.resources import LockTable, StreamPool, WorkspacePool, stream_counts
-from turnip.memgraph.memgraph import Edge, Kind, MemGraph, Stream
-from turnip.memgraph.taskgraph import TaskGraph
-from turnip.planners.plan import Plan
+from turnip.ir.memgraph import Edge, Kind, MemGraph, Stream
+from turnip.ir.plan import Plan
+from turnip.ir.taskgraph import TaskGraph
 
 STREAMS = (Stream.COMPUTE, Stream.H2D, Stream.D2H)
 

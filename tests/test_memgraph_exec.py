@@ -16,11 +16,11 @@ import zlib
 import numpy as np
 import pytest
 from synthetic import chain_of_blocks, random_plan, random_taskgraph, unconstrained_budget
+from turnip.ir.memgraph import Kind, MemGraph
+from turnip.ir.plan import Plan
+from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph import build, verify
 from turnip.memgraph.build import minimum_budget
-from turnip.memgraph.memgraph import Kind, MemGraph
-from turnip.memgraph.taskgraph import TaskGraph, ValueKind
-from turnip.planners.plan import Plan
 
 
 def _bytes(seed: int, nbytes: int) -> np.ndarray:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from synthetic import random_taskgraph
 from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
+from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph import trace
-from turnip.memgraph.taskgraph import TaskGraph, ValueKind
 from turnip.planners.costs import CostModel, DeviceSpec
 from turnip.planners.decode import from_solution, to_plan
 from turnip.planners.driver import builder_floor, make_problem

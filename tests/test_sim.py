@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 from turnip.engine import StallError
-from turnip.engine.sim import simulate, step_floor
-from turnip.memgraph.memgraph import Edge, Kind, MemGraph, Place, Stream
-from turnip.memgraph.taskgraph import TaskGraph
-from turnip.planners.plan import Plan
+from turnip.engine.timing_sim import simulate, step_floor
+from turnip.ir.memgraph import Edge, Kind, MemGraph, Place, Stream
+from turnip.ir.plan import Plan
+from turnip.ir.taskgraph import TaskGraph
 
 from turnip import engine, memgraph
 

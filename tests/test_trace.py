@@ -4,8 +4,8 @@ import pytest
 import torch
 from cases import OPTIMIZERS, assert_same_state, bf16_autocast, eager_steps, make_case, trainable
 from torch import nn
+from turnip.ir.taskgraph import ValueKind
 from turnip.memgraph import ReferenceExecutor, UnsupportedFeature
-from turnip.memgraph.taskgraph import ValueKind
 
 from turnip import memgraph
 

@@ -13,10 +13,10 @@ from collections import deque
 
 import pytest
 from synthetic import chain_of_blocks, random_plan, random_taskgraph
+from turnip.ir.memgraph import Edge, Kind, MemGraph, Place
+from turnip.ir.plan import Plan
 from turnip.memgraph import build, verify
 from turnip.memgraph.build import minimum_budget
-from turnip.memgraph.memgraph import Edge, Kind, MemGraph, Place
-from turnip.planners.plan import Plan
 
 
 def built(seed: int, n: int = 80, fraction: float = 0.0) -> MemGraph:

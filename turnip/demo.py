@@ -14,7 +14,7 @@ import torch
 
 from turnip import engine, memgraph
 from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
-from turnip.memgraph.budget import format_bytes
+from turnip.ir.budget import format_bytes
 
 
 def main(argv=None) -> int:

@@ -15,6 +15,7 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 from turnip.bench.models.gpt import GPT, GPTConfig, example_batch
+from turnip.bench.models.llama import llama_workload
 from turnip.bench.peers.common import OptimizerSpec, Workload, parameter_count
 
 VOCAB, SEQ = 50304, 1024
@@ -62,7 +63,5 @@ def gpt_workload(name: str, tiny: bool = False, batch: int | None = None, seed: 
 def make_workload(name: str, tiny: bool = False, batch: int | None = None, seed: int = 0) -> Workload:
     """A workload by benchmark name (raises llama.Unavailable when transformers is missing)."""
     if name == "llama":
-        from turnip.bench.models.llama import llama_workload
-
         return llama_workload(tiny=tiny, batch=batch, seed=seed)
     return gpt_workload(name, tiny=tiny, batch=batch, seed=seed)

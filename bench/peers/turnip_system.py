@@ -22,8 +22,9 @@ from turnip.bench.peers.common import (
     timed_steps,
     trainable,
 )
-from turnip.engine.sim import simulate, step_floor, transfer_bytes
-from turnip.memgraph.memgraph import Kind
+from turnip.engine.timing_sim import simulate, step_floor, transfer_bytes
+from turnip.ir.memgraph import Kind
+from turnip.planners.costs import CostModel
 
 from turnip import engine, memgraph
 
@@ -54,8 +55,6 @@ def floor_and_sim(mg, device, eager_step_s: float | None, sim_trace: Path | None
     """The floor and the simulator's step time. On CUDA the cost model measures op times and the link
     (cached on disk); elsewhere there is no link to measure and the analytic rates describe some other
     device, so the compute estimate is eager's step time scaled by the recompute share."""
-    from turnip.planners.costs import CostModel
-
     out: dict = {}
     costs = CostModel(device=str(mg.device))
     tg = mg.taskgraph

@@ -23,12 +23,12 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from turnip.ir.memgraph import Edge, Kind, MemGraph, Place, Stream
+from turnip.ir.plan import Plan
+from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph.alloc import START, RangeAllocator, Tenancy, wait_for
-from turnip.memgraph.memgraph import Edge, Kind, MemGraph, Place, Stream
 from turnip.memgraph.reduce import reduce_memory_edges
 from turnip.memgraph.schedule import OUT, TASK, Schedule
-from turnip.memgraph.taskgraph import TaskGraph, ValueKind
-from turnip.planners.plan import Plan
 
 UNBOUNDED = 1 << 60  # pinned CPU storage limit when the plan sets none
 
@@ -44,7 +44,7 @@ class NeedFlush(Exception):
     """No window can be cleared without touching what the current step pins."""
 
 
-class Simulation:
+class HorizonWalk:
     def __init__(self, tg: TaskGraph, order: list[int], plan: Plan, alignment: int, gpu_budget: int,
                  sched: Schedule | None = None, compact: bool = False):
         self.tg, self.plan, self.alignment, self.compact = tg, plan, alignment, compact

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from turnip.engine.loop import Record, describe_launch
-from turnip.memgraph.memgraph import Kind, MemGraph
+from turnip.engine.loop import Record
+from turnip.ir.describe import short_name
+from turnip.ir.memgraph import Kind, MemGraph
 
 _LANE_ORDER = {"compute": 0, "h2d": 1, "d2h": 2}
 
@@ -57,7 +58,7 @@ def trace_events(mg: MemGraph, records: list[Record], keys: list, origin: float,
         if not r.ok:
             args["failed"] = True
         events.append({
-            "ph": "X", "name": describe_launch(mg, r.vertex), "cat": mv.kind.value,
+            "ph": "X", "name": short_name(mg, r.vertex), "cat": mv.kind.value,
             "pid": dev, "tid": tids[(r.key, r.instance)],
             "ts": round((r.start - origin) * 1e6, 3), "dur": round(max(r.end - r.start, 0.0) * 1e6, 3),
             "args": args,

@@ -1,8 +1,12 @@
 """MemGraph: vertices at fixed places of one preallocated arena, joined by data and memory edges.
 
 Built by ``memgraph.build`` from a TaskGraph and a Plan, checked by
-``memgraph.verify``, run by ``engine.run``. Everything here is plain data
-so it saves to a file and loads back exactly.
+``memgraph.verify``, run by ``engine.run``. Every field is plain data, so it
+saves to a file and loads back exactly. The engine's live buffers (arena,
+pinned storage, trained weights) are held beside the data, in the attribute
+``runtime`` that ``engine.run`` sets: it is not a field, so equality, repr
+and files never see it. ``print(mg)`` gives one line; ``memgraph.dump(mg)``
+lists vertices.
 """
 
 from __future__ import annotations
@@ -13,10 +17,10 @@ import pickle
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
-from turnip.memgraph.taskgraph import TaskGraph
-from turnip.planners.plan import Plan
+from turnip.ir.plan import Plan
+from turnip.ir.taskgraph import TaskGraph
 
 FORMAT_VERSION = 1
 
@@ -69,7 +73,19 @@ class MVertex:
     name: str = ""  # output name for OUTPUT vertices
 
 
-@dataclass
+class LiveState(Protocol):
+    """What the engine keeps between steps of one MemGraph (engine.runtime.Runtime implements it)."""
+
+    step: int
+
+    def state_dict(self, mg: MemGraph) -> dict: ...
+
+    def persistent_state(self, mg: MemGraph) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(repr=False)
 class MemGraph:
     taskgraph: TaskGraph  # the graph it was built from (recomputation already expanded)
     plan: Plan
@@ -84,7 +100,15 @@ class MemGraph:
     names: dict[str, int] = field(default_factory=dict)  # state_dict key -> persistent value id
     device: str = "cpu"
     stats: dict = field(default_factory=dict)  # builder facts (edges dropped by reduction, ...)
-    runtime: Any = field(default=None, repr=False, compare=False)  # the engine's buffers; never saved
+
+    # Not a field (ClassVar): engine.run sets it on the instance; None until the first run.
+    runtime: ClassVar[LiveState | None] = None
+
+    def __repr__(self) -> str:
+        kinds = Counter(v.kind.value for v in self.vertices)
+        return (f"MemGraph({len(self.vertices)} vertices: {', '.join(f'{n} {k}' for k, n in kinds.most_common())}; "
+                f"{len(self.edges)} edges; arena {self.arena_bytes} B; pinned {self.cpu_bytes} B; "
+                f"device {self.device}; planner {self.plan.planner})")
 
     # -- structure ------------------------------------------------------------
     def add_vertex(self, kind: Kind, stream: Stream, **attrs) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from turnip.memgraph.taskgraph import TaskGraph, TensorRef, ValueKind, map_refs
+from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind, map_refs
 
 GPU = "gpu"
 CPU = "cpu"

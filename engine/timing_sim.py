@@ -42,13 +42,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from turnip.engine.chrome_trace import write_trace
 from turnip.engine.errors import StallError
 from turnip.engine.loop import Record, Scheduler, StaticGraph
 from turnip.engine.policy import Policy, make_policy
 from turnip.engine.resources import LockTable, StreamPool, WorkspacePool, stream_counts
 from turnip.engine.runtime import arena_devices, workspace_capacity
-from turnip.engine.trace import write_trace
-from turnip.memgraph.memgraph import Kind, MemGraph, Stream
+from turnip.ir.memgraph import Kind, MemGraph, Stream
 
 log = logging.getLogger(__name__)
 

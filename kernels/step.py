@@ -1,0 +1,93 @@
+"""Per-step host state of a traced step: the optimizer's scalars and each random vertex's generator state."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from turnip.ir.taskgraph import TaskGraph, TensorRef, Vertex
+from turnip.kernels.launch import Resolve, run_vertex
+from turnip.kernels.rng import default_generator
+
+
+class RngReplay:
+    """Generator states for a graph's random vertices, step after step; reuse one across steps.
+
+    CPU generators (Mersenne Twister) can only be advanced by drawing, so each
+    step runs the random ops once on scratch tensors. CUDA generators are
+    (seed, offset) counters that an op advances by an amount fixed by its
+    shape: the first step measures each vertex's advance, later steps compute
+    the states with no kernel launched and no memory touched.
+    """
+
+    def __init__(self, taskgraph: TaskGraph, device: torch.device):
+        self.taskgraph = taskgraph
+        self.device = torch.device(device)
+        self.vertices = [v for v in taskgraph.vertices if v.random and v.recompute_of < 0]
+        self._scratch: dict[tuple, torch.Tensor] = {}
+        self._advances: list[int] | None = None  # CUDA: offset advance of each random vertex
+
+    def _tensor(self, value_id: int) -> torch.Tensor:
+        val = self.taskgraph.values[value_id]
+        key = (tuple(val.shape), tuple(val.stride), val.dtype)  # shared: the capture runs one op at a time
+        if key not in self._scratch:
+            self._scratch[key] = torch.empty_strided(val.shape, val.stride, dtype=val.dtype,
+                                                     device=self.device).zero_()
+        return self._scratch[key]
+
+    def _draw(self, vertex) -> None:
+        def resolve(ref: TensorRef) -> torch.Tensor:
+            return self._tensor(ref.value).as_strided(ref.size, ref.stride, ref.storage_offset)
+
+        outputs = [self._tensor(v) if v >= 0 else None for v in vertex.outputs]
+        run_vertex(vertex, resolve, outputs, scalars={}, rng_state=None, device=self.device)
+
+    def capture(self) -> dict[int, torch.Tensor]:
+        """Each random vertex's generator state; leaves the generator where eager's step would."""
+        if not self.vertices:
+            return {}
+        gen = default_generator(self.device)
+        if self.device.type == "cuda" and self._advances is not None:
+            return self._counted(gen)
+        states, advances = {}, []
+        for vertex in self.vertices:
+            states[vertex.id] = gen.get_state()
+            before = gen.get_offset() if self.device.type == "cuda" else 0
+            self._draw(vertex)
+            advances.append(gen.get_offset() - before if self.device.type == "cuda" else 0)
+        if self.device.type == "cuda":
+            self._advances = advances
+            self._scratch.clear()
+        return states
+
+    def _counted(self, gen: torch.Generator) -> dict[int, torch.Tensor]:
+        start = gen.get_state()
+        offset = gen.get_offset()
+        states = {}
+        for vertex, advance in zip(self.vertices, self._advances):
+            gen.set_offset(offset)
+            states[vertex.id] = gen.get_state()
+            offset += advance
+        gen.set_state(start)
+        gen.set_offset(offset)
+        return states
+
+
+class StepContext:
+    """Per-step host state: the optimizer's scalars and the random vertices' generator states."""
+
+    def __init__(self, taskgraph: TaskGraph, step: int, device: torch.device | str, rng: RngReplay | None = None):
+        self.taskgraph = taskgraph
+        self.step = step
+        self.device = torch.device(device)
+        self.scalars = taskgraph.optimizer.scalars(step) if taskgraph.optimizer is not None else {}
+        rng = rng if rng is not None else RngReplay(taskgraph, self.device)
+        self.rng_states = rng.capture()
+
+    def rng_state(self, vertex: Vertex) -> torch.Tensor | None:
+        if not vertex.random:
+            return None
+        return self.rng_states[vertex.recompute_of if vertex.recompute_of >= 0 else vertex.id]
+
+    def run(self, vertex: Vertex, resolve: Resolve, outputs: Sequence[torch.Tensor | None]) -> None:
+        run_vertex(vertex, resolve, outputs, self.scalars, self.rng_state(vertex), self.device)
