@@ -129,10 +129,13 @@ class PreparedVertex:
             i = own.get(ref.value)
             return ref_view(self.outputs[i], ref) if i is not None else resolve(ref)
 
+        self.in_place = bool(vertex.copy_in)  # the op mutates its outputs: nothing to copy back
         self.copies = []
         for old, new in vertex.copy_in:
             dst = self.outputs[own[new]]
-            self.copies.append((dst, resolve(TensorRef(old, tuple(dst.shape), tuple(dst.stride()), 0))))
+            src = resolve(TensorRef(old, tuple(dst.shape), tuple(dst.stride()), 0))
+            if src.data_ptr() != dst.data_ptr():  # the builder placed new over old: already there
+                self.copies.append((dst, src))
         self.op = resolve_op(vertex.op)
         self.skip = vertex.op in UNINITIALIZED and not vertex.copy_in
         self.out_names: tuple[str, ...] = ()
@@ -163,7 +166,7 @@ class PreparedVertex:
             self.direct(self.outputs[0], args, kwargs)
             return
         result = replay(rng_state, device, lambda: self.op(*args, **kwargs))
-        if self.out_names or self.copies:
+        if self.out_names or self.in_place:
             return
         flat = flatten_returns(result)
         for out, res in zip(self.outputs, flat):

@@ -20,6 +20,7 @@ CPU storage is unbounded.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 
@@ -58,6 +59,7 @@ class HorizonWalk:
         self.nidx = [0] * nvals  # index in uses[v] of v's next use
         self.entered = [False] * nvals  # batch value copied in by its INPUT vertex
         self.home_t: dict[int, Tenancy] = {}  # persistent value -> tenancy of its home
+        self.home_src: dict[int, int] = {}  # value occupying a GPU home now -> the persistent value it belongs to
         self.data: set[tuple[int, int]] = set()
         self.memory: set[tuple[int, int]] = set()
         self.stats: Counter = Counter()
@@ -82,6 +84,7 @@ class HorizonWalk:
                 home.place = Place("gpu", offset, self.size[v])
                 offset = home.end
                 self.home_t[v] = self.cur[v] = home
+                self.home_src[v] = v
         if capacity < offset:
             raise OutOfMemory("gpu", -1)
         # fresh bytes first (fewest dependencies), or, compact, reuse first (smallest arena)
@@ -282,9 +285,11 @@ class HorizonWalk:
     def _run_task(self, s: int, vid: int) -> None:
         vertex = self.tg.vertices[vid]
         ins, outs = self.sched.inputs[vid], self.sched.outputs[vid]
+        in_place = self.sched.in_place.get(vid, ())
+        writes = {o: self.pre[o].place for o in outs}
+        writes.update((new, self.cur[old].place) for old, new in in_place)
         mid = self.mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE, task_vertex=vid,
-                                 reads={x: self.cur[x].place for x in ins},
-                                 writes={o: self.pre[o].place for o in outs}, workspace=vertex.workspace)
+                                 reads={x: self.cur[x].place for x in ins}, writes=writes, workspace=vertex.workspace)
         for x in ins:
             self._read(self.cur[x], mid)
         for o in outs:
@@ -294,18 +299,38 @@ class HorizonWalk:
             t.pending, t.writer, t.saved = [], mid, None  # written: no longer revocable
             self.gpu.set_cost(t, self._next_use(o))
             self.cur[o] = t
+        for old, new in in_place:
+            self._take_over(old, new, mid)
         for x in ins:
             self._used(x)
-        for o in outs:
+        for o in itertools.chain(outs, (new for _, new in in_place)):
             if not self.uses[o]:
                 self._drop(o)
             elif o in self.sched.offload_after and self._offload(o, self.cur[o]):
                 self.stats["offloads_planned"] += 1  # (without room in pinned storage it just stays)
         for v in self.sched.release_at.get(s, ()):
             t = self.cur[v]
-            if t is not None and self.cpu[v] is not None and self.nidx[v] < len(self.uses[v]):
+            if t is not None and not t.home and self.cpu[v] is not None and self.nidx[v] < len(self.uses[v]):
                 self.gpu.free(t, self.now)
                 self.cur[v] = None
+
+    def _take_over(self, old: int, new: int, mid: int) -> None:
+        """The in-place vertex mid writes new into old's bytes, after every other reader of old."""
+        t_old = self.cur[old]
+        self._wait([r for r in t_old.readers if r != mid], mid)
+        t_new = Tenancy(new)
+        t_new.writer = mid
+        if t_old.home:  # a GPU home: the new version is the home's occupant from now on
+            t_new.start, t_new.end, t_new.place, t_new.home = t_old.start, t_old.end, t_old.place, True
+            src = self.home_src.pop(old)
+            self.home_src[new] = src
+            self.home_t[src] = t_new
+        else:
+            self.gpu.replace(t_old, t_new)
+        self.cur[old] = None  # old's bytes are new's now: nothing may free them on old's behalf
+        self.gpu.set_cost(t_new, self._next_use(new))
+        self.cur[new] = t_new
+        self.stats["in_place"] += 1
 
     def _run_output(self, name: str, v: int) -> None:
         t = self.cur[v]
@@ -317,6 +342,9 @@ class HorizonWalk:
         """Put the updated value dst where src lives between steps, once src's readers are done."""
         t = self.cur[dst]
         home = self.home_t[src]
+        if t is home:  # updated in place in its GPU home: already where it belongs
+            self._used(dst)
+            return
         if self.sched.gpu_home[src]:
             mid = self.mg.add_vertex(Kind.COPY, Stream.COMPUTE, value=dst, reads={dst: t.place},
                                      writes={dst: home.place})

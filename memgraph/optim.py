@@ -144,37 +144,55 @@ class UpdateEmitter:
         self.tg.add_vertex(op_name(op), args, kwargs, (vid,), module=self.module, phase="optimizer")
         return self.tg.values[vid].dense_ref
 
-    def fused_update(self, group: int, param: TensorRef, grad: TensorRef, states: dict[str, TensorRef],
-                     step: TensorRef) -> tuple[TensorRef, dict]:
-        """Adam/AdamW as one fused CUDA kernel updating copies of the parameter and its states in
-        place: a few passes over memory instead of a dozen (numbers within float tolerance of
-        torch.optim, whose default CUDA path uses multi-tensor kernels anyway)."""
+    def emit_in_place(self, op, target: TensorRef, *args, **kwargs) -> TensorRef:
+        """`target.op_(*args)` as eager's single-tensor optimizer writes it: a new version of target
+        (copy_in), which the builder places over the old one when nothing reads the old one after."""
+        val = self.tg.values[target.value]
+        if target != val.dense_ref:
+            raise ValueError(f"in-place optimizer update of a view of value {target.value}")
+        new = self.tg.add_value(val.shape, val.stride, val.dtype, val.nbytes)
+        ref = self.tg.values[new].dense_ref
+        self.tg.add_vertex(op_name(op), (ref, *args), kwargs, (new,), module=self.module, phase="optimizer",
+                           copy_in=((target.value, new),))
+        return ref
+
+    def fused_update(self, group: int, params: list[TensorRef], grads: list[TensorRef],
+                     states: list[dict[str, TensorRef]], step: TensorRef) -> list[tuple[TensorRef, dict]]:
+        """Adam/AdamW for several parameters as one multi-tensor fused kernel (the kernel of
+        torch.optim.AdamW(fused=True)), updating each parameter and its states in place: a few
+        passes over memory and one launch instead of a dozen per parameter. Returns
+        (new param, new states) per parameter."""
         def s(name: str) -> ScalarRef:
             return ScalarRef(f"g{group}.{name}")
 
         tg = self.tg
-        home = tg.values[param.value]
-        if grad != TensorRef(grad.value, home.shape, home.stride, 0) or tg.values[grad.value].stride != home.stride:
-            # the fused kernel walks all its tensors with one layout: give the gradient the parameter's
-            grad = self.emit(aten.clone.default, grad, memory_format=torch.contiguous_format)
-        olds = [param, states["exp_avg"], states["exp_avg_sq"]]
-        news = []
-        for old in olds:
-            val = tg.values[old.value]
-            news.append(tg.add_value(val.shape, val.stride, val.dtype, val.nbytes))
+        olds, news, fixed_grads = [], [], []
+        for param, grad, st in zip(params, grads, states, strict=True):
+            home = tg.values[param.value]
+            if grad != TensorRef(grad.value, home.shape, home.stride, 0) or tg.values[grad.value].stride != home.stride:
+                # the fused kernel walks all its tensors with one layout: give the gradient the parameter's
+                grad = self.emit(aten.clone.default, grad, memory_format=torch.contiguous_format)
+            fixed_grads.append(grad)
+            for old in (param, st["exp_avg"], st["exp_avg_sq"]):
+                val = tg.values[old.value]
+                olds.append(old)
+                news.append(tg.add_value(val.shape, val.stride, val.dtype, val.nbytes))
         refs = [tg.values[v].dense_ref for v in news]
         op = aten._fused_adamw_.default if self.spec.kind == "adamw" else aten._fused_adam_.default
         hp = self.spec.groups[group]
-        tg.add_vertex(op_name(op), ([refs[0]], [grad], [refs[1]], [refs[2]], [], [step]),
+        tg.add_vertex(op_name(op), (refs[0::3], fixed_grads, refs[1::3], refs[2::3], [], [step] * len(params)),
                       {"lr": s("lr"), "beta1": s("beta1"), "beta2": s("beta2"),
                        "weight_decay": float(hp["weight_decay"]), "eps": s("eps"), "amsgrad": False,
                        "maximize": False, "grad_scale": None, "found_inf": None},
                       tuple(news), module=self.module, phase="optimizer",
                       copy_in=tuple((old.value, new) for old, new in zip(olds, news)))
-        return refs[0], {"exp_avg": refs[1], "exp_avg_sq": refs[2]}
+        return [(refs[k], {"exp_avg": refs[k + 1], "exp_avg_sq": refs[k + 2]}) for k in range(0, len(refs), 3)]
 
     def update(self, group: int, param: TensorRef, grad: TensorRef, states: dict[str, TensorRef]) -> tuple[TensorRef, dict]:
-        """Returns (new param, new states) as refs to freshly produced values."""
+        """Returns (new param, new states) as refs to freshly produced values. Where eager's
+        single-tensor step updates a tensor in place (param.addcdiv_, exp_avg.lerp_, ...), so does
+        this, with the same kernel; the rest (weight-decayed gradient, denominator) is out of place
+        as in eager."""
         def s(name: str) -> ScalarRef:
             return ScalarRef(f"g{group}.{name}")
 
@@ -184,24 +202,24 @@ class UpdateEmitter:
                 grad = self.emit(aten.add.Tensor, grad, param, alpha=s("weight_decay"))
             new_states = {}
             if hp["momentum"] != 0:
-                buf = self.emit(aten.mul.Tensor, states["momentum_buffer"], s("buf_scale"))
-                buf = self.emit(aten.add.Tensor, buf, grad, alpha=s("grad_scale"))
+                buf = self.emit_in_place(aten.mul_.Tensor, states["momentum_buffer"], s("buf_scale"))
+                buf = self.emit_in_place(aten.add_.Tensor, buf, grad, alpha=s("grad_scale"))
                 new_states["momentum_buffer"] = buf
                 grad = self.emit(aten.add.Tensor, grad, buf, alpha=s("momentum")) if hp.get("nesterov") else buf
-            return self.emit(aten.add.Tensor, param, grad, alpha=s("neg_lr")), new_states
+            return self.emit_in_place(aten.add_.Tensor, param, grad, alpha=s("neg_lr")), new_states
         decoupled = self.spec.kind == "adamw"
         if hp["weight_decay"] != 0:
             if decoupled:
-                param = self.emit(aten.mul.Tensor, param, s("decay_factor"))
+                param = self.emit_in_place(aten.mul_.Tensor, param, s("decay_factor"))
             else:
                 grad = self.emit(aten.add.Tensor, grad, param, alpha=s("weight_decay"))
-        exp_avg = self.emit(aten.lerp.Scalar, states["exp_avg"], grad, s("one_minus_beta1"))
-        exp_avg_sq = self.emit(aten.mul.Tensor, states["exp_avg_sq"], s("beta2"))
-        exp_avg_sq = self.emit(aten.addcmul.default, exp_avg_sq, grad, grad, value=s("one_minus_beta2"))
+        exp_avg = self.emit_in_place(aten.lerp_.Scalar, states["exp_avg"], grad, s("one_minus_beta1"))
+        exp_avg_sq = self.emit_in_place(aten.mul_.Tensor, states["exp_avg_sq"], s("beta2"))
+        exp_avg_sq = self.emit_in_place(aten.addcmul_.default, exp_avg_sq, grad, grad, value=s("one_minus_beta2"))
         denom = self.emit(aten.sqrt.default, exp_avg_sq)
         denom = self.emit(aten.div.Tensor, denom, s("bias_correction2_sqrt"))
         denom = self.emit(aten.add.Tensor, denom, s("eps"))
-        new_param = self.emit(aten.addcdiv.default, param, exp_avg, denom, value=s("neg_step_size"))
+        new_param = self.emit_in_place(aten.addcdiv_.default, param, exp_avg, denom, value=s("neg_step_size"))
         return new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
     def into_layout_of(self, new: TensorRef, home_value: int) -> int:

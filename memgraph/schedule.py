@@ -3,7 +3,8 @@
 A *step* is one of: a TaskGraph vertex (``TASK``), returning a step output
 (``OUT``: read the value, right after its producer), or writing an updated
 parameter/state back into its input's home (``WB``: as soon as the update is
-produced and every reader of the old value has run). Knowing every step's
+produced and every reader of the old value has run; nothing to do when the update was made in
+place in the home). Knowing every step's
 position lets the builder ask "when is this value used next?" (eviction) and
 "what is the most arena any single step needs at once?" (the smallest budget).
 """
@@ -83,6 +84,22 @@ class Schedule:
                 self.uses[step[2]].append(s)
             else:
                 self.uses[step[2]].append(s)
+
+        # -- in place: an op that updates a value whose old version nobody reads after it writes
+        #    the new version into the old one's bytes (no copy, no second buffer). A persistent old
+        #    version is overwritten only when the step updates it (it is bound to a new version). --
+        self.in_place: dict[int, list[tuple[int, int]]] = {}  # task vertex -> [(old value, new value)]
+        updated = {src for src, dst in tg.bindings.items() if src != dst}
+        for vid in order:
+            for old, new in tg.vertices[vid].copy_in:
+                kind = values[old].kind
+                overwritable = kind in (ValueKind.INTERMEDIATE, ValueKind.BATCH) or old in updated
+                if overwritable and self.size[old] == self.size[new] and self.uses[old] \
+                        and self.uses[old][-1] == self.task_step[vid]:
+                    self.in_place.setdefault(vid, []).append((old, new))
+        for vid, pairs in self.in_place.items():
+            taken = {new for _, new in pairs}
+            self.outputs[vid] = [o for o in self.outputs[vid] if o not in taken]
 
         # -- plan.offload: offload after production, free across the longest gap between uses,
         #    reload before the use after the gap (forward activation -> backward use) ---------

@@ -11,7 +11,6 @@ vertices (optim.py).
 
 from __future__ import annotations
 
-import functools
 import logging
 import operator
 
@@ -330,14 +329,45 @@ def _step_counter(tg: TaskGraph, spec) -> TensorRef:
     old = tg.add_value((), (), torch.float32, 4, ValueKind.OPTIMIZER_STATE, name="opt:step")
     tg.initial_state[old] = torch.tensor(float(spec.initial_step), dtype=torch.float32)
     emitter = UpdateEmitter(tg, spec, module="")
-    new = emitter.emit(torch.ops.aten.add.Tensor, tg.values[old].dense_ref, 1.0)
+    new = emitter.emit_in_place(torch.ops.aten.add_.Tensor, tg.values[old].dense_ref, 1.0)
     tg.bindings[old] = new.value
     return new
+
+
+FUSED_GROUP_BYTES = 64 << 20  # parameter bytes one multi-tensor update vertex covers at most
+
+
+def _fused_groups(members: list[tuple]) -> list[list[tuple]]:
+    """Consecutive parameters of one block (module path up to its first numeric part, e.g.
+    'blocks.3') and one param group, up to FUSED_GROUP_BYTES each: small tensors (norms, biases)
+    share a launch with their block's matrices, and a group's update waits only for its block's
+    gradients, so the planner can still stream optimizer states block by block."""
+    def block(name: str) -> str:
+        parts = name.split(".")
+        for k, part in enumerate(parts[:-1]):
+            if part.isdigit():
+                return ".".join(parts[:k + 1])
+        return parts[0] if len(parts) > 1 else ""
+
+    groups: list[list[tuple]] = []
+    key, size = None, 0
+    for member in members:
+        name, param, group = member[0], member[1], member[2]
+        nbytes = param.numel() * param.element_size()
+        this = (block(name), group, param.dtype)
+        if groups and this == key and size + nbytes <= FUSED_GROUP_BYTES:
+            groups[-1].append(member)
+            size += nbytes
+        else:
+            groups.append([member])
+            key, size = this, nbytes
+    return groups
 
 
 def _append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid, fused: bool) -> None:
     fused = fused and spec.kind in ("adam", "adamw")
     step = _step_counter(tg, spec) if fused and any(g is not None for g in grads.values()) else None
+    fused_members: list[tuple] = []  # (name, param, param group, value id, grad, state refs) for the fused kernel
     for name, param in trainable.items():
         grad = grads[name]
         if grad is None:
@@ -350,11 +380,34 @@ def _append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid
                                 ValueKind.OPTIMIZER_STATE, name=f"opt:{name}.{key}")
             tg.initial_state[svid] = tensor
             state_refs[key] = tg.values[svid].dense_ref
-        update = emitter.update
         if step is not None and param.is_contiguous():
-            update = functools.partial(emitter.fused_update, step=step)
-        new_param, new_states = update(group_of[id(param)], tg.values[pvid].dense_ref, grad, state_refs)
-        tg.bindings[pvid] = emitter.into_layout_of(new_param, pvid)
-        for key, ref in new_states.items():
-            tg.bindings[state_refs[key].value] = emitter.into_layout_of(ref, state_refs[key].value)
+            fused_members.append((name, param, group_of[id(param)], pvid, grad, state_refs))
+            continue
+        new_param, new_states = emitter.update(group_of[id(param)], tg.values[pvid].dense_ref, grad, state_refs)
+        _bind(tg, emitter, pvid, new_param, state_refs, new_states)
+    for members in _fused_groups(fused_members):
+        emitter = UpdateEmitter(tg, spec, module=_common_module([m[0] for m in members]))
+        results = emitter.fused_update(members[0][2], [tg.values[m[3]].dense_ref for m in members],
+                                       [m[4] for m in members], [m[5] for m in members], step=step)
+        for (_name, _param, _group, pvid, _grad, state_refs), (new_param, new_states) in zip(members, results):
+            _bind(tg, emitter, pvid, new_param, state_refs, new_states)
+
+
+def _bind(tg: TaskGraph, emitter: UpdateEmitter, pvid: int, new_param: TensorRef, state_refs: dict,
+          new_states: dict) -> None:
+    """The updated parameter and states replace their inputs at the end of the step."""
+    tg.bindings[pvid] = emitter.into_layout_of(new_param, pvid)
+    for key, ref in new_states.items():
+        tg.bindings[state_refs[key].value] = emitter.into_layout_of(ref, state_refs[key].value)
+
+
+def _common_module(names: list[str]) -> str:
+    """The deepest module holding every parameter named (for messages and traces)."""
+    paths = [n.split(".")[:-1] for n in names]
+    common = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
 

@@ -311,8 +311,17 @@ class _Verifier:
                 self.precede(wa, wb, "b", f"race in {where_s}: {self.name(wb)} writes value {vb} there but may run "
                                           f"before {self.name(wa)} writes value {va}")
                 for r in self.readers[a]:
+                    if r == wb and pa == pb and self._updates_in_place(wb, va, vb):
+                        continue  # an in-place op reads the old version where it writes the new one
                     self.precede(r, wb, "b", f"race in {where_s}: {self.name(wb)} writes value {vb} there while "
                                              f"{self.name(r)} may still read value {va}")
+
+    def _updates_in_place(self, w, old: int, new: int) -> bool:
+        """w is the compute vertex of an op that updates old into new (TaskGraph copy_in)."""
+        if w in (START, END) or self.mg.vertices[w].kind is not Kind.COMPUTE:
+            return False
+        tv = self.mg.vertices[w].task_vertex
+        return 0 <= tv < len(self.tg.vertices) and (old, new) in self.tg.vertices[tv].copy_in
 
     # -- (d) -------------------------------------------------------------------------------
     def _check_bounds(self) -> None:

@@ -16,8 +16,8 @@ Objective
   seconds of every transfer and recomputation, so equal-time plans prefer moving less.
 
 The formulation is plain arrays (``Formulation``); ``solve`` hands it to PuLP (HiGHS via highspy
-when available, else CBC) with the greedy plan as a warm start; ilp_decode.py turns a solution
-back into Decisions.
+when available, else CBC) with the greedy plan as a warm start; decode.py turns a solution
+back into Decisions and a Plan.
 """
 
 from __future__ import annotations

@@ -128,8 +128,9 @@ class Problem:
 # -- serial order --------------------------------------------------------------------------------
 
 def step_order(tg: TaskGraph) -> list[int]:
-    """Program order with each parameter's update moved right after its gradient is complete,
-    so gradients die at once and optimizer states are needed one parameter at a time."""
+    """Program order with each parameter's update moved right after its gradient is complete and
+    the last reader of the weights it overwrites has run (so the builder updates them in place),
+    so gradients die at once and optimizer states are needed one block at a time."""
     n = len(tg.vertices)
     opt = [v.id for v in tg.vertices if v.phase == "optimizer"]
     if not opt:
@@ -143,7 +144,12 @@ def step_order(tg: TaskGraph) -> list[int]:
         return x
 
     trigger = {v: -1 for v in opt}
+    consumers = tg.consumers()
     for vid in opt:
+        for old, _new in tg.vertices[vid].copy_in:
+            if tg.values[old].kind.is_persistent:
+                readers = [c for c in consumers[old] if tg.vertices[c].phase != "optimizer"]
+                trigger[vid] = max([trigger[vid], *readers])
         for val in tg.vertices[vid].inputs():
             prod = tg.values[val].producer
             if prod < 0:

@@ -30,15 +30,19 @@ def _value(tg: TaskGraph, nbytes: int, kind=ValueKind.INTERMEDIATE, name="") -> 
     return tg.add_value((n,), (1,), "float32", nbytes, kind, name=name)
 
 
-def _vertex(tg: TaskGraph, inputs, outputs, phase="forward", module="", workspace=0) -> int:
+def _vertex(tg: TaskGraph, inputs, outputs, phase="forward", module="", workspace=0, copy_in=()) -> int:
+    """copy_in: (old, new) pairs of an in-place op (new is old updated; the builder may put new over old)."""
     args = tuple(tg.values[x].dense_ref for x in inputs)
-    return tg.add_vertex("synthetic", args, outputs=tuple(outputs), phase=phase, module=module, workspace=workspace)
+    return tg.add_vertex("synthetic", args, outputs=tuple(outputs), phase=phase, module=module, workspace=workspace,
+                         copy_in=tuple(copy_in))
 
 
 def random_taskgraph(rng: random.Random, n_vertices: int = 60, *, min_bytes: int = 64, max_bytes: int = 64_000,
                      n_params: int | None = None, p_multi: float = 0.15, p_skip: float = 0.2,
-                     p_workspace: float = 0.1) -> TaskGraph:
-    """A random step of about ``n_vertices`` vertices (at least the optimizer's)."""
+                     p_workspace: float = 0.1, p_in_place: float = 0.0) -> TaskGraph:
+    """A random step of about ``n_vertices`` vertices (at least the optimizer's). With probability
+    ``p_in_place`` a forward op updates the latest activation in place (whether anything reads the
+    old version later is up to chance), and an optimizer update writes its parameter or state in place."""
     tg = TaskGraph()
 
     def size() -> int:
@@ -69,6 +73,12 @@ def random_taskgraph(rng: random.Random, n_vertices: int = 60, *, min_bytes: int
             ins.append(rng.choice(params + frozen))
         if rng.random() < 0.1:
             ins.append(rng.choice(batch))
+        if acts and rng.random() < p_in_place:  # e.g. relu_: the new version has the old one's size
+            old = acts[-1]
+            outs = [_value(tg, tg.values[old].nbytes)]
+            _vertex(tg, list(dict.fromkeys(ins)), outs, "forward", f"block.{i // 4}", ws(), copy_in=[(old, outs[0])])
+            acts.append(outs[0])
+            continue
         outs = [_value(tg, size())]
         if rng.random() < p_multi:
             outs.append(_value(tg, size()) if rng.random() < 0.7 else -1)
@@ -97,25 +107,28 @@ def random_taskgraph(rng: random.Random, n_vertices: int = 60, *, min_bytes: int
         grads.extend(outs)
 
     # optimizer: each parameter (and its state) is updated from some gradient and bound back
+    def in_place(old: int, new: int) -> list:
+        return [(old, new)] if rng.random() < p_in_place else []
+
     for p in params:
         g = rng.choice(grads)
         if p in states:
             s = states[p]
             new_s = _value(tg, tg.values[s].nbytes)
-            _vertex(tg, [s, g], [new_s], "optimizer")
+            _vertex(tg, [s, g], [new_s], "optimizer", copy_in=in_place(s, new_s))
             new_p = _value(tg, tg.values[p].nbytes)
-            _vertex(tg, [p, new_s], [new_p], "optimizer")
+            _vertex(tg, [p, new_s], [new_p], "optimizer", copy_in=in_place(p, new_p))
             tg.bindings[s] = new_s
         else:
             new_p = _value(tg, tg.values[p].nbytes)
-            _vertex(tg, [p, g], [new_p], "optimizer")
+            _vertex(tg, [p, g], [new_p], "optimizer", copy_in=in_place(p, new_p))
         tg.bindings[p] = new_p
     tg.validate()
     return tg
 
 
 def chain_of_blocks(n_blocks: int, *, act_bytes: int = 1 << 20, param_bytes: int = 1 << 17,
-                    seed: int = 0) -> TaskGraph:
+                    seed: int = 0, in_place: bool = False) -> TaskGraph:
     """A transformer-like chain: per block 4 forward ops (2 weights), 6 backward ops, 2 SGD updates:
     12 vertices per block. Sizes jitter by up to 2x so the arena fragments like a real one."""
     rng = random.Random(seed)
@@ -165,7 +178,7 @@ def chain_of_blocks(n_blocks: int, *, act_bytes: int = 1 << 20, param_bytes: int
         grad = gx
     for w, gw in grads_w:
         new_w = _value(tg, tg.values[w].nbytes)
-        _vertex(tg, [w, gw], [new_w], "optimizer")
+        _vertex(tg, [w, gw], [new_w], "optimizer", copy_in=[(w, new_w)] if in_place else [])
         tg.bindings[w] = new_w
     return tg
 

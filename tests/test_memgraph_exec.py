@@ -155,3 +155,31 @@ def test_cpu_homes_offloads_and_recompute_match_reference():
     assert any(mg.taskgraph.vertices[mv.task_vertex].recompute_of >= 0
                for mv in mg.vertices if mv.kind is Kind.COMPUTE)
     assert any(v.kind is ValueKind.BATCH for v in tg.values)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_in_place_updates_every_order_matches_reference(seed):
+    """In-place ops (activations and optimizer updates): where nothing reads the old version after,
+    the builder puts the new version over it; every order still computes the reference's bytes."""
+    rng = random.Random(1000 + seed)
+    tg = random_taskgraph(rng, rng.choice([40, 120]), p_in_place=0.6)
+    plan = random_plan(rng, tg, cpu_budget=None)
+    low, _ = minimum_budget(tg, plan)
+    high = unconstrained_budget(tg, plan)
+    placed_in_place = 0
+    for fraction in (0.0, 0.3, 1.0):
+        plan.gpu_budget = int(low + fraction * (high - low))
+        mg = check_all_orders(tg, plan, n_orders=8, seed=seed)
+        placed_in_place += mg.stats.get("in_place", 0)
+    assert placed_in_place > 0
+
+
+def test_in_place_weight_updates_need_no_write_back():
+    tg = chain_of_blocks(4, act_bytes=4096, param_bytes=1024, in_place=True)
+    mg = check_all_orders(tg, Plan(gpu_budget=unconstrained_budget(tg, Plan(gpu_budget=0))), n_orders=10, seed=3)
+    assert mg.stats["in_place"] == 8 and not any(mv.kind is Kind.COPY for mv in mg.vertices)
+    for old, new in tg.bindings.items():  # each updated weight was written straight into its home
+        writer = next(mv for mv in mg.vertices if new in mv.writes)
+        assert writer.kind is Kind.COMPUTE and writer.writes[new] == mg.homes[old] == writer.reads[old]
+    tight = check_all_orders(tg, Plan(gpu_budget=tg.live_peak(alignment=256) // 3), n_orders=10, seed=4)
+    assert tight.stats.get("offloads_evicted", 0) > 0

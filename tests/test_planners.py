@@ -12,6 +12,7 @@ import torch
 from synthetic import random_taskgraph
 from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
 from turnip.ir.taskgraph import TaskGraph, ValueKind
+from turnip import memgraph
 from turnip.memgraph import trace
 from turnip.planners.costs import CostModel, DeviceSpec
 from turnip.planners.decode import from_solution, to_plan
@@ -242,10 +243,8 @@ def deep_gpt():
 
 
 def _build_and_verify(tg, plan):
-    build_mod = pytest.importorskip("turnip.memgraph.build", reason="memgraph.build is not in this checkout yet")
-    verify_mod = pytest.importorskip("turnip.memgraph.verify", reason="memgraph.verify is not in this checkout yet")
-    mg = build_mod.build(tg, plan, alignment=64)
-    assert verify_mod.verify(mg) == []
+    mg = memgraph.build(tg, plan, alignment=64)
+    assert memgraph.verify(mg) == []
     assert mg.arena_bytes + max((v.workspace for v in mg.taskgraph.vertices), default=0) <= plan.gpu_budget
     return mg
 

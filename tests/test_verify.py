@@ -174,3 +174,60 @@ def test_budgets_are_checked():
     assert any("GPU budget" in p for p in problems)
     if mg.cpu_bytes:
         assert any("CPU budget" in p for p in problems)
+
+
+def in_place_built(seed: int) -> MemGraph:
+    rng = random.Random(seed)
+    tg = chain_of_blocks(3, act_bytes=4096, param_bytes=1024, in_place=True, seed=seed)
+    plan = Plan(gpu_budget=tg.live_peak(alignment=256) * (2 + seed) // 4)
+    del rng
+    mg = build(tg, plan)
+    assert verify(mg) == [] and mg.stats["in_place"] > 0
+    return mg
+
+
+def in_place_vertices(mg: MemGraph) -> list[tuple[int, int, int]]:
+    """(compute vertex, old value, new value) where the builder put new over old."""
+    found = []
+    for mv in mg.vertices:
+        if mv.kind is Kind.COMPUTE:
+            for old, new in mg.taskgraph.vertices[mv.task_vertex].copy_in:
+                if mv.writes.get(new) is not None and mv.writes[new] == mv.reads.get(old):
+                    found.append((mv.id, old, new))
+    return found
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_missing_reader_before_in_place_update_is_reported(seed):
+    """Every reader of a weight must finish before the update overwrites it where it lies."""
+    mg = in_place_built(seed)
+    targets = {mid for mid, _, _ in in_place_vertices(mg)}
+    assert targets
+    checked = 0
+    for i, edge in enumerate(list(mg.edges)):
+        if edge[1] not in targets or edge[2] is not Edge.MEMORY:
+            continue
+        mg.edges.pop(i)
+        try:
+            if reaches(mg, edge[0], edge[1]):
+                continue
+            checked += 1
+            assert any("race" in p for p in verify(mg)), f"deleting {edge} before an in-place update went unnoticed"
+        finally:
+            mg.edges.insert(i, edge)
+    assert checked > 0
+    assert verify(mg) == []
+
+
+def test_undeclared_in_place_write_is_a_race():
+    """Only an op that declares the update (copy_in) may write its output over what it reads."""
+    mg = in_place_built(0)
+    mid, old, new = in_place_vertices(mg)[0]
+    tv = mg.taskgraph.vertices[mg.vertices[mid].task_vertex]
+    declared = tv.copy_in
+    tv.copy_in = ()
+    try:
+        assert any("race" in p and f"vertex {mid} " in p for p in verify(mg))
+    finally:
+        tv.copy_in = declared
+    assert verify(mg) == []
