@@ -270,6 +270,11 @@ class RangeAllocator:
         self._link(prev, [self._new_free(start, end, pieces)], nxt)
 
     # -- simMallocOffld: where to evict -----------------------------------------
+    def fits_at(self, ws: int, size: int) -> bool:
+        """``[ws, ws+size)`` lies inside one free run."""
+        k = bisect.bisect_right(self._free_starts, ws) - 1
+        return k >= 0 and self._segs[self._free_starts[k]].end >= ws + size
+
     def occupants(self, ws: int, we: int) -> list[Tenancy]:
         """Tenancies overlapping [ws, we)."""
         seg = self._seg_at(ws)

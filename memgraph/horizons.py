@@ -28,6 +28,7 @@ from turnip.ir.memgraph import Edge, Kind, MemGraph, Place, Stream
 from turnip.ir.plan import Plan
 from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph.alloc import START, RangeAllocator, Tenancy, wait_for
+from turnip.memgraph.packing import pack, stays
 from turnip.memgraph.reduce import reduce_memory_edges
 from turnip.memgraph.schedule import OUT, TASK, Schedule
 
@@ -90,6 +91,14 @@ class HorizonWalk:
         # fresh bytes first (fewest dependencies), or, compact, reuse first (smallest arena)
         self.gpu = RangeAllocator(offset, capacity, "gpu", fresh_time=UNBOUNDED if self.compact else -1,
                                   two_sided=True)
+        self.packed: dict[int, int] = {}  # value -> arena offset planned offline (compact builds)
+        if self.compact:
+            started = time.perf_counter()
+            packed, top = pack(stays(self.tg, self.sched))
+            if offset + top <= capacity:
+                self.packed = {v: offset + at for v, at in packed.items()}
+            self.stats["packed_arena_bytes"] = offset + top
+            self.stats["seconds_pack"] = time.perf_counter() - started
         self.cpu_alloc = RangeAllocator(0, cpu_limit, "cpu", fresh_time=UNBOUNDED, two_sided=False)
         for v in range(len(values)):
             if sched.cpu_home[v]:
@@ -128,7 +137,7 @@ class HorizonWalk:
             return True
         for o in self.sched.outputs[step[1]]:
             if self.pre[o] is None:
-                at = self.gpu.find_fit(self.size[o])
+                at = self._fit(o)
                 if at is None:
                     return False
                 t = Tenancy(o, step=s)
@@ -181,7 +190,7 @@ class HorizonWalk:
     def _place(self, t: Tenancy, pinned: set) -> None:
         """Find arena bytes for t now, clearing a window if nothing is free."""
         size = self.size[t.value]
-        at = self.gpu.find_fit(size)
+        at = self._fit(t.value)
         stuck: set[Tenancy] = set()  # victims pinned CPU storage has no room for
         while at is None:
             at = self.gpu.best_window(size, pinned | stuck if stuck else pinned, self.free_cost)
@@ -195,6 +204,15 @@ class HorizonWalk:
             if stuck and self.gpu.occupants(at, at + size):
                 at = self.gpu.find_fit(size)  # what was evicted may have made room elsewhere
         t.pending = wait_for(self.gpu.alloc(at, size, t))
+
+    def _fit(self, v: int) -> int | None:
+        """Where v goes: its packed offset when those bytes are free (compact builds), else the
+        allocator's choice."""
+        at = self.packed.get(v)
+        if at is not None and self.gpu.fits_at(at, self.size[v]):
+            self.stats["packed_placements"] += 1
+            return at
+        return self.gpu.find_fit(self.size[v])
 
     def _revoke(self, t: Tenancy) -> None:
         self.gpu.revoke(t)

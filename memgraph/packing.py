@@ -1,0 +1,88 @@
+"""Offsets for the keep-everything arena, packed offline from the values' lifetimes.
+
+When nothing is ever evicted, every value's stay in the arena is known before the walk: from
+the step that produces it (or first reads it, for a batch value) to the step that reads it
+last. An online allocator that sees the stays one at a time leaves holes (about 5% of the
+arena on a 350M-parameter GPT); packing them all at once, largest first, each into the
+tightest gap among the stays it overlaps in time ("greedy by size", Pisarchyk and Lee,
+"Efficient Memory Management for Deep Neural Net Inference", 2020), comes within a few
+bytes of the bytes live at once. The walk (horizons.HorizonWalk) places each value at its
+packed offset when those bytes are free, else wherever it fits, so a hint can never make
+a build wrong, only larger.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from turnip.ir.taskgraph import TaskGraph, ValueKind
+from turnip.memgraph.schedule import Schedule
+
+
+@dataclass
+class Stay:
+    values: list[int]  # one value, or a chain of in-place versions sharing the same bytes
+    size: int
+    first: int  # schedule step it is placed at
+    last: int  # schedule step it is read last (inclusive: placed and read in one step overlap)
+
+
+def stays(tg: TaskGraph, sched: Schedule) -> list[Stay]:
+    """Arena stays of every value that is not a GPU home, when nothing is evicted."""
+    first: dict[int, int] = {}
+    for s, step in enumerate(sched.steps):
+        if step[0] != 0:  # OUT and WB steps read; they place nothing
+            continue
+        vid = step[1]
+        for o in sched.outputs[vid]:
+            first.setdefault(o, s)
+        for x in sched.inputs[vid]:
+            if not sched.gpu_home[x] and tg.values[x].kind is not ValueKind.INTERMEDIATE:
+                first.setdefault(x, s)  # batch values and CPU homes arrive when first read
+    chain: dict[int, int] = {}  # in-place version -> the value whose stay it continues
+    for pairs in sched.in_place.values():
+        for old, new in pairs:
+            chain[new] = chain.get(old, old)
+    by_root: dict[int, Stay] = {}
+    for v, s in first.items():
+        root = chain.get(v, v)
+        if root in by_root or sched.gpu_home[root]:
+            continue
+        by_root[root] = Stay([root], sched.size[root], s, s)
+    for v, root in chain.items():
+        if root in by_root:
+            by_root[root].values.append(v)
+    for stay in by_root.values():
+        for v in stay.values:
+            uses = sched.uses[v]
+            stay.last = max(stay.last, uses[-1] if uses else first.get(v, stay.first))
+    return list(by_root.values())
+
+
+def pack(items: list[Stay]) -> tuple[dict[int, int], int]:
+    """(offset of each value, bytes needed): largest first, each into the smallest gap that fits
+    among the already packed stays it overlaps in time, else above them all."""
+    order = sorted(range(len(items)), key=lambda i: (-items[i].size, items[i].first - items[i].last))
+    firsts = np.array([items[i].first for i in order], dtype=np.int64)
+    lasts = np.array([items[i].last for i in order], dtype=np.int64)
+    offsets = np.zeros(len(order), dtype=np.int64)
+    ends = np.zeros(len(order), dtype=np.int64)
+    top = 0
+    for k, i in enumerate(order):
+        size = items[i].size
+        live = np.flatnonzero((firsts[:k] <= lasts[k]) & (lasts[:k] >= firsts[k]))
+        best, best_gap, reach = None, None, 0
+        for j in live[np.argsort(offsets[live], kind="stable")]:
+            gap = offsets[j] - reach
+            if gap >= size and (best_gap is None or gap < best_gap):
+                best, best_gap = reach, gap
+            reach = max(reach, ends[j])
+        at = best if best is not None else reach
+        offsets[k], ends[k] = at, at + size
+        top = max(top, at + size)
+    placed = {}
+    for k, i in enumerate(order):
+        for v in items[i].values:
+            placed[v] = int(offsets[k])
+    return placed, top
