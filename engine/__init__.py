@@ -1,8 +1,11 @@
 """Run a MemGraph: ``engine.run(mg, batch)`` -> the step's outputs.
 
 The event loop (loop.py) launches every ready vertex whose stream and
-resources are free; backends (cpu.py, cuda.py) execute vertices and signal
-completions. See DESIGN.md, "Runtime contract".
+resources (resources.py) are free; the shared runtime (runtime.py) decodes
+each vertex once and dispatches it by kind (decode.py) to its backend's hook
+(cpu.py, cuda.py), which runs it and signals its completion; timing_sim.py
+replays the same loop on a virtual clock. See docs/design.md, "Runtime
+contract".
 """
 
 from turnip.engine.errors import BatchError, EngineError, ResourceError, StallError, VertexError

@@ -17,10 +17,10 @@ import time
 import weakref
 
 import torch
-from turnip.engine.errors import EngineError
 from turnip.engine.loop import Completion, Launch
-from turnip.engine.runtime import Runtime
-from turnip.ir.memgraph import Kind, MemGraph
+from turnip.engine.runtime import InputBinding, OutputBinding, Runtime
+from turnip.ir.memgraph import MemGraph
+from turnip.kernels.launch import PreparedVertex
 from turnip.kernels.step import RngReplay, StepContext
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,11 @@ class CpuRuntime(Runtime):
 
     def __init__(self, mg: MemGraph):
         self._lanes: dict[tuple[int, int], Lane] = {}
-        self._step_state = None
+        # the current step's state, set by begin_step and read by the workers' run_ hooks
+        self._mg: MemGraph | None = None
+        self._ctx: StepContext | None = None
+        self._leaves: list | None = None
+        self._outputs: dict | None = None
         self._rng = None
         super().__init__(mg)
         self._finalizer = weakref.finalize(self, _stop_lanes, self._lanes)
@@ -93,16 +97,19 @@ class CpuRuntime(Runtime):
     def begin_step(self, mg: MemGraph, leaves: list, step: int) -> None:
         if self._rng is None:  # its scratch buffers are reused by every step
             self._rng = RngReplay(mg.taskgraph, torch.device("cpu"))
-        ctx = StepContext(mg.taskgraph, step, torch.device("cpu"), rng=self._rng)
-        self._step_state = (mg, ctx, leaves, {})
+        self._ctx = StepContext(mg.taskgraph, step, torch.device("cpu"), rng=self._rng)
+        self._mg, self._leaves, self._outputs = mg, leaves, {}
 
     def end_step(self) -> dict:
-        outputs = self._step_state[3]
-        self._step_state = None
+        outputs = self._outputs
+        self._forget_step()
         return outputs
 
     def abort_step(self) -> None:
-        self._step_state = None
+        self._forget_step()
+
+    def _forget_step(self) -> None:
+        self._mg = self._ctx = self._leaves = self._outputs = None
 
     def launch(self, item: Launch, notify) -> None:
         lane = self._lanes.get((item.key, item.instance))
@@ -110,13 +117,13 @@ class CpuRuntime(Runtime):
             stream, dev = self.graph.keys[item.key]
             lane = Lane(f"turnip-cpu{dev}-{stream.value}-{item.instance}")
             self._lanes[(item.key, item.instance)] = lane
-        work = self.execute
+        work = self.run_vertex
         if self.fuzz_seed is not None:
             # random priorities only reorder vertices that are ready together; random delays
             # also change which finish first, so a missing edge shows up as a race
             delay = random.Random(hash((self.fuzz_seed, item.vertex))).random() * FUZZ_DELAY_S
 
-            def work(vid, _run=self.execute, _delay=delay):
+            def work(vid, _run=self.run_vertex, _delay=delay):
                 time.sleep(_delay)
                 _run(vid)
 
@@ -127,60 +134,25 @@ class CpuRuntime(Runtime):
         super().close()
 
     # -- vertices (run on worker threads) ------------------------------------------------
-    def execute(self, vid: int) -> None:
-        mg, ctx, leaves, outputs = self._step_state
-        mv = mg.vertices[vid]
-        kind = mv.kind
-        if kind is Kind.COMPUTE:
-            self._compute(mg, ctx, mv)
-        elif kind in (Kind.OFFLOAD, Kind.RELOAD, Kind.COPY):
-            self._copy(mg, mv)
-        elif kind is Kind.INPUT:
-            self._input(mg, mv, leaves)
-        elif kind is Kind.OUTPUT:
-            self._output(mg, mv, outputs)
-        else:
-            raise EngineError(f"vertex {vid}: unknown kind {kind!r}")
+    def run_vertex(self, vid: int) -> None:
+        self.execute(self._mg, vid)
 
-    def _compute(self, mg: MemGraph, ctx, mv) -> None:
-        prepared = self.prepared(mg, mv)
+    def run_compute(self, vid: int, prepared: PreparedVertex) -> None:
+        ctx = self._ctx
         prepared(ctx.scalars, ctx.rng_state(prepared.vertex), ctx.device)
 
-    def _copy(self, mg: MemGraph, mv) -> None:
-        """OFFLOAD, RELOAD and COPY all move a value's bytes from its read place to its write place."""
-        values = mg.taskgraph.values
-        if mv.reads.keys() == mv.writes.keys():
-            pairs = [(v, mv.reads[v], mv.writes[v]) for v in mv.reads]
-        elif len(mv.reads) == 1 and len(mv.writes) == 1:
-            (v, src), (dst,) = next(iter(mv.reads.items())), mv.writes.values()
-            pairs = [(v, src, dst)]
-        else:
-            raise EngineError(f"{mv.kind.value} vertex {mv.id} reads {sorted(mv.reads)} but writes "
-                              f"{sorted(mv.writes)}: cannot pair them")
-        for v, src, dst in pairs:
-            n = values[v].nbytes
-            self.bytes_of(dst, n).copy_(self.bytes_of(src, n))
+    def run_transfer(self, vid: int, pairs: tuple) -> None:
+        for dst, src in pairs:
+            dst.copy_(src)
 
-    def _input(self, mg: MemGraph, mv, leaves: list) -> None:
-        idx = self.leaf_of.get(mv.value)
-        if idx is None:
-            raise EngineError(f"input vertex {mv.id} loads value {mv.value}, which is not a batch input")
-        place = mv.writes.get(mv.value)
-        if place is None:
-            if len(mv.writes) != 1:
-                raise EngineError(f"input vertex {mv.id} does not say where value {mv.value} goes")
-            (place,) = mv.writes.values()
-        self.view(mg, place, mv.value).copy_(leaves[idx])
+    run_offload = run_reload = run_copy = run_transfer
 
-    def _output(self, mg: MemGraph, mv, outputs: dict) -> None:
-        place = mv.reads.get(mv.value)
-        if place is None:
-            if len(mv.reads) != 1:
-                raise EngineError(f"output vertex {mv.id} does not say where value {mv.value} is read")
-            (place,) = mv.reads.values()
-        name = self.output_name(mv)
+    def run_input(self, vid: int, binding: InputBinding) -> None:
+        binding.dst.copy_(self._leaves[binding.leaf])
+
+    def run_output(self, vid: int, binding: OutputBinding) -> None:
         # a fresh tensor the next step cannot overwrite; dict item assignment is atomic under the GIL
-        outputs[name] = self.view(mg, place, mv.value).clone()
+        self._outputs[binding.name] = binding.src.clone()
 
 
 def create_runtime(mg: MemGraph) -> CpuRuntime:

@@ -3,9 +3,8 @@
 Completion path (measured by bench/engine_overhead.py): every vertex records
 a CUDA event after its work; the loop thread polls the event at the head of
 each stream's FIFO (streams complete in order), so no Python callback ever
-competes for the GIL. Python host callbacks (``cudaLaunchHostFunc`` through
-CuPy) are the alternative mechanism, kept for the measurement (``completion=
-"callback"``).
+competes for the GIL. This is the only completion mechanism: there is no
+host-callback (``cudaLaunchHostFunc``) mode.
 
 Launch-ahead: a compute vertex is reported complete to the loop as soon as it
 is enqueued, while its stream holds fewer than ``depth`` unfinished vertices,
@@ -27,8 +26,9 @@ import time
 import torch
 from turnip.engine.errors import EngineError
 from turnip.engine.loop import Completion, Launch
-from turnip.engine.runtime import Runtime
-from turnip.ir.memgraph import Kind, MemGraph, Stream
+from turnip.engine.runtime import InputBinding, OutputBinding, Runtime
+from turnip.ir.memgraph import MemGraph, Stream
+from turnip.kernels.launch import PreparedVertex
 from turnip.kernels.step import RngReplay, StepContext
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class CudaRuntime(Runtime):
         timers = self._timers if self.timing else None
         if timers is not None:
             timers[vid][0].record(stream)
-        self.execute(self.mg.vertices[vid])
+        self.execute(self.mg, vid)
         if timers is not None:
             timers[vid][1].record(stream)
         events[vid].record(stream)
@@ -224,32 +224,28 @@ class CudaRuntime(Runtime):
                     moved = True
         return moved
 
-    # -- vertices --------------------------------------------------------------------------
-    def execute(self, mv) -> None:
-        kind = mv.kind
-        if kind is Kind.COMPUTE:
-            prepared = self.prepared(self.mg, mv)
-            ctx = self._ctx
-            prepared(ctx.scalars, ctx.rng_state(prepared.vertex), ctx.device)
-        elif kind in (Kind.OFFLOAD, Kind.RELOAD, Kind.COPY):
-            for v, src in mv.reads.items():
-                dst = mv.writes[v] if v in mv.writes else next(iter(mv.writes.values()))
-                n = self.mg.taskgraph.values[v].nbytes
-                self.bytes_of(dst, n).copy_(self.bytes_of(src, n), non_blocking=True)
-        elif kind is Kind.INPUT:
-            place = mv.writes.get(mv.value) or next(iter(mv.writes.values()))
-            torch.cuda.current_stream().wait_event(self._batch_ready)
-            self.view(self.mg, place, mv.value).copy_(self._leaves[self.leaf_of[mv.value]], non_blocking=True)
-        elif kind is Kind.OUTPUT:
-            place = mv.reads.get(mv.value) or next(iter(mv.reads.values()))
-            src = self.view(self.mg, place, mv.value)
-            host = self.host_out.get(mv.id)
-            if host is None:  # pinned once; reused every step
-                host = self.host_out[mv.id] = torch.empty_like(src, device="cpu").pin_memory()
-            host.copy_(src, non_blocking=True)
-            self.outputs[self.output_name(mv)] = host
-        else:
-            raise EngineError(f"vertex {mv.id}: unknown kind {kind!r}")
+    # -- vertices (run on the loop thread, on the current stream: the lane's) -----------------
+    def run_compute(self, vid: int, prepared: PreparedVertex) -> None:
+        ctx = self._ctx
+        prepared(ctx.scalars, ctx.rng_state(prepared.vertex), ctx.device)
+
+    def run_transfer(self, vid: int, pairs: tuple) -> None:
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+
+    run_offload = run_reload = run_copy = run_transfer
+
+    def run_input(self, vid: int, binding: InputBinding) -> None:
+        torch.cuda.current_stream().wait_event(self._batch_ready)
+        binding.dst.copy_(self._leaves[binding.leaf], non_blocking=True)
+
+    def run_output(self, vid: int, binding: OutputBinding) -> None:
+        src = binding.src
+        host = self.host_out.get(vid)
+        if host is None:  # pinned once; reused every step
+            host = self.host_out[vid] = torch.empty_like(src, device="cpu").pin_memory()
+        host.copy_(src, non_blocking=True)
+        self.outputs[binding.name] = host
 
 
 def create_runtime(mg: MemGraph) -> CudaRuntime:

@@ -19,7 +19,7 @@ class BatchError(EngineError, ValueError):
 
 
 class ResourceError(EngineError):
-    """A vertex asks for more than the engine can ever give it (workspace, streams)."""
+    """A vertex asks for more than the engine can ever give it (workspace beyond the budget, a lock)."""
 
 
 class StallError(EngineError):

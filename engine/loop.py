@@ -7,14 +7,18 @@ Split in two so the bookkeeping can be tested (and simulated) without threads:
   O(stream keys) per launch; nothing scans all vertices (CUDA target: the
   completion path costs < 10 us per vertex).
 - ``drive()`` is the loop thread: it launches through a backend, blocks on a
-  thread-safe queue that backends fill from their completion callbacks
-  (callbacks only enqueue), and turns failures and stalls into exceptions
-  only after in-flight work has drained, so the engine stays usable.
+  completion source that backends fill (CPU workers put a Completion; the
+  CUDA source polls its events inside ``get()``), and turns failures and
+  stalls into exceptions only after in-flight work has drained, so the engine
+  stays usable.
 
 Ready vertices wait in one heap per stream key ((stream class, device)).
-A vertex whose stream is busy simply stays in its heap; one blocked on a
-lock or on workspace is parked with that resource and put back when it is
-released, so a busy lock never stalls vertices of other locks or none.
+A vertex whose stream is busy simply stays in its heap; one refused another
+resource (workspace) is parked with that resource's manager and put back when
+the manager releases something, so a busy resource never stalls vertices that
+do not need it. A vertex's needs are computed once per MemGraph
+(``StaticGraph.needs``) and taken all-or-nothing (``Scheduler._acquire``)
+before its stream instance, which the loop already saw free.
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from turnip.engine.errors import ResourceError, StallError, VertexError
-from turnip.engine.resources import LockTable, StreamPool, WorkspacePool
+from turnip.engine.resources import WORKSPACE, StreamPool, WorkspacePool
 from turnip.ir.describe import describe_vertex, format_info, format_vertex
 from turnip.ir.memgraph import MemGraph, Stream
 
@@ -75,8 +79,14 @@ class StaticGraph:
                 self.keys.append(key)
             self.key_of.append(key_index[key])
             self.device.append(key[1])
-        self.workspace: list[int] = [int(mv.workspace) for mv in mg.vertices]
-        self.lock: list[str | None] = [mv.lock for mv in mg.vertices]
+        # what each vertex needs beside its stream: ((manager name, description), ...), mostly empty
+        self.needs: list[tuple[tuple[str, Any], ...]] = []
+        for vid, mv in enumerate(mg.vertices):
+            if mv.lock is not None:
+                raise ResourceError(f"{format_vertex(mg, vid, inputs=False)} asks for lock {mv.lock!r}: no builder "
+                                    f"produces locks yet, so the engine has no lock resource (engine/resources.py)")
+            ws = int(mv.workspace)
+            self.needs.append(((WORKSPACE, (self.device[vid], ws)),) if ws else ())
 
     def predecessors(self) -> list[list[int]]:
         """Only for error messages: building it is O(edges)."""
@@ -97,7 +107,7 @@ class Scheduler:
     """Dependency counters, ready heaps and resources for one step. Not thread-safe: the loop owns it."""
 
     def __init__(self, graph: StaticGraph, ranks: list[int], strict: bool,
-                 streams: StreamPool, workspace: WorkspacePool, locks: LockTable | None = None):
+                 streams: StreamPool, workspace: WorkspacePool):
         if len(ranks) != graph.n:
             raise ValueError(f"{len(ranks)} ranks for {graph.n} vertices")
         self.g = graph
@@ -105,19 +115,21 @@ class Scheduler:
         self.strict = strict
         self.streams = streams
         self.workspace = workspace
-        self.locks = locks or LockTable()
-        for vid, ws in enumerate(graph.workspace):
-            if ws and not workspace.fits_ever(graph.device[vid], ws):
-                raise ResourceError(f"vertex {vid} needs {ws} workspace bytes, more than the "
-                                    f"{workspace.capacity.get(graph.device[vid])} available on device "
-                                    f"{graph.device[vid]}")
+        # the managers StaticGraph.needs names; streams are apart: the ready heaps are per stream key
+        self.resources = {WORKSPACE: workspace}
+        for vid, needs in enumerate(graph.needs):
+            for name, description in needs:
+                reason = self.resources[name].never_fits(description)
+                if reason is not None:
+                    raise ResourceError(f"vertex {vid} {reason}")
         self.pending = list(graph.indegree)
         self.state = bytearray(graph.n)
-        self.instance = [-1] * graph.n
+        self.stream_of: list[tuple[int, int] | None] = [None] * graph.n  # stream handle (key, instance) held
+        self.instance = [-1] * graph.n  # stream instance within its key, for records
+        self.held: list[list | None] = [None] * graph.n  # handles of the other resources held, as in needs
         self.nkeys = len(graph.keys)
         self.ready: list[list[tuple[int, int]]] = [[] for _ in range(self.nkeys)]
-        self.lock_waiters: dict[str, list[tuple[int, int]]] = {}
-        self.ws_waiters: dict[int, list[tuple[int, int]]] = {}
+        self.waiters: dict[str, list[tuple[int, int]]] = {name: [] for name in self.resources}
         if strict:
             # launch order per key: the vertices of that key sorted by rank; _next[k] is the one allowed next
             per_key: list[list[int]] = [[] for _ in range(self.nkeys)]
@@ -148,26 +160,10 @@ class Scheduler:
         self.state[vid] = DONE
         self.in_flight -= 1
         self.done += 1
-        self.streams.release(g.key_of[vid], self.instance[vid])
-        lock = g.lock[vid]
-        if lock is not None:
-            self.locks.release(lock)
-            waiters = self.lock_waiters.get(lock)
-            if waiters:
-                # wake all: the best waiter may sit behind a busy stream while another could take the lock
-                # now; those that lose the lock again park again (waiters per lock are few: sum-into fan-in)
-                self.lock_waiters[lock] = []
-                for item in waiters:
-                    self._unpark(item)
-        ws = g.workspace[vid]
-        if ws:
-            dev = g.device[vid]
-            self.workspace.release(dev, ws)
-            waiters = self.ws_waiters.get(dev)
-            if waiters:  # rare: wake all, those that still do not fit park again
-                self.ws_waiters[dev] = []
-                for item in waiters:
-                    self._unpark(item)
+        self.streams.release(self.stream_of[vid])
+        held = self.held[vid]
+        if held is not None:
+            self._release(vid, held)
         pending = self.pending
         for s in g.succs[vid]:
             pending[s] -= 1
@@ -210,16 +206,46 @@ class Scheduler:
         self.state[vid] = READY
         heapq.heappush(self.ready[self.g.key_of[vid]], (self.rank[vid], vid))
 
-    def _unpark(self, item: tuple[int, int]) -> None:
-        heapq.heappush(self.ready[self.g.key_of[item[1]]], item)
+    def _acquire(self, item: tuple[int, int]) -> bool:
+        """Every resource vertex ``item[1]`` needs beside its stream, all or none (True if all).
+
+        On a refusal, what was taken is given back and the vertex is parked with the manager that
+        refused, until that manager releases something. Its stream is not taken here: the loop only
+        pops a vertex whose stream key has a free instance, and takes it once this returns True.
+        """
+        vid = item[1]
+        resources = self.resources
+        needs = self.g.needs[vid]
+        held = []
+        for name, description in needs:
+            handle = resources[name].try_acquire(description)
+            if handle is None:
+                for (taken, _), h in zip(needs, held):
+                    resources[taken].release(h)
+                heapq.heappush(self.waiters[name], item)
+                return False
+            held.append(handle)
+        self.held[vid] = held
+        return True
+
+    def _release(self, vid: int, held: list) -> None:
+        """Give back vertex ``vid``'s resources beside its stream; wake the vertices parked on them."""
+        self.held[vid] = None
+        resources, waiters = self.resources, self.waiters
+        for (name, _), handle in zip(self.g.needs[vid], held):
+            resources[name].release(handle)
+            parked = waiters[name]
+            if parked:  # rare: wake all; those that still do not fit park again
+                waiters[name] = []
+                for item in parked:
+                    heapq.heappush(self.ready[self.g.key_of[item[1]]], item)
 
     def _dispatch(self) -> list[Launch]:
         """Launch every ready vertex whose resources are free, best rank first across keys."""
         launches: list[Launch] = []
-        g = self.g
         ready = self.ready
-        streams = self.streams
-        free = streams.free
+        free = self.streams.free
+        needs = self.g.needs
         keys = range(self.nkeys)
         strict = self.strict
         while True:
@@ -238,17 +264,11 @@ class Scheduler:
                 return launches
             item = heapq.heappop(ready[best])
             vid = item[1]
-            lock = g.lock[vid]
-            if lock is not None and not self.locks.acquire(lock):
-                heapq.heappush(self.lock_waiters.setdefault(lock, []), item)
-                continue
-            ws = g.workspace[vid]
-            if ws and not self.workspace.acquire(g.device[vid], ws):
-                if lock is not None:
-                    self.locks.release(lock)
-                heapq.heappush(self.ws_waiters.setdefault(g.device[vid], []), item)
-                continue
-            inst = free[best].pop()
+            if needs[vid] and not self._acquire(item):
+                continue  # parked until the resource that refused releases something
+            handle = free[best].pop()  # streams.try_acquire(best), inlined: cannot refuse, free[best] is not empty
+            self.stream_of[vid] = handle
+            inst = handle[1]
             self.instance[vid] = inst
             self.state[vid] = RUNNING
             self.in_flight += 1

@@ -1,14 +1,22 @@
-"""Resources a vertex holds while it runs, each a small manager with acquire/release.
+"""Resources a vertex holds while it runs, each a small manager with the same two verbs.
 
-- streams: a fixed number of stream instances per (stream class, device);
-  one vertex per instance at a time (the paper's "a single stream can only
-  be used by a single launched vertex at a time");
-- workspace: temporary device bytes per device, bounded so arena plus
-  workspace stays inside the user's budget;
-- locks: named mutexes (sum-into accumulation: one writer at a time).
+    handle = manager.try_acquire(description)   # None: not now (never blocks)
+    manager.release(handle)
 
-Only the loop thread calls these, so they need no locking of their own.
-Acquire never blocks: it says yes or no and the loop parks the vertex.
+- streams (``StreamPool``): a fixed number of stream instances per stream
+  key ((stream class, device)); one vertex per instance at a time (the paper's
+  "a single stream can only be used by a single launched vertex at a time");
+- workspace (``WorkspacePool``): temporary device bytes per device, bounded
+  so arena plus workspace stays inside the user's budget.
+
+A vertex's needs are computed once per MemGraph (``loop.StaticGraph``) and
+taken all-or-nothing by ``Scheduler._acquire`` (engine/loop.py). Only the loop
+thread calls these, so they need no locking of their own.
+
+There is no lock manager: MVertex.lock exists in the MemGraph format for
+sum-into accumulation, but no builder produces one, so the engine refuses a
+vertex with a lock (``StaticGraph``) until a builder and its resource land
+together.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from turnip.ir.memgraph import Stream
+
+WORKSPACE = "workspace"  # the name StaticGraph.needs gives the WorkspacePool
 
 # Stream instances per class when the caller does not say. The paper used 5
 # streams per GPU; CPU lanes are worker threads, and torch ops already use
@@ -42,70 +52,64 @@ def stream_counts(device_type: str, overrides: dict | None = None) -> dict[Strea
 
 
 class StreamPool:
-    """Free stream instances per key; a key is an index into ``keys`` ((Stream, device) pairs)."""
+    """Free stream instances per key; a key is an index into StaticGraph.keys ((Stream, device) pairs).
+
+    Description: a key. Handle: the pair (key, instance), built once here, so
+    acquiring and releasing allocate nothing.
+    """
 
     def __init__(self, sizes: list[int]):
         self.sizes = list(sizes)
         # a stack of free instances: the most recently freed is reused first, which on CUDA keeps
-        # a dependent chain on one stream (its ordering is then free) and on CPU keeps threads warm
-        # free[key] is read directly by the loop's hot path (a method call per key costs more than the check)
-        self.free = [list(range(n - 1, -1, -1)) for n in sizes]
+        # a dependent chain on one stream (its ordering is then free) and on CPU keeps threads warm.
+        # free[key] is read (and popped) directly by the loop's hot path: a method call per key costs
+        # more than the check
+        self.free: list[list[tuple[int, int]]] = [[(key, i) for i in range(n - 1, -1, -1)]
+                                                  for key, n in enumerate(sizes)]
 
-    def available(self, key: int) -> bool:
-        return bool(self.free[key])
-
-    def acquire(self, key: int) -> int | None:
+    def try_acquire(self, key: int) -> tuple[int, int] | None:
         free = self.free[key]
         return free.pop() if free else None
 
-    def release(self, key: int, instance: int) -> None:
-        self.free[key].append(instance)
+    def release(self, handle: tuple[int, int]) -> None:
+        self.free[handle[0]].append(handle)
 
     def busy(self, key: int) -> int:
         return self.sizes[key] - len(self.free[key])
 
 
 class WorkspacePool:
-    """Bytes of temporary memory per device. A capacity of None is unbounded."""
+    """Bytes of temporary memory per device. A capacity of None is unbounded.
+
+    Description: (device, nbytes), built once per vertex by StaticGraph. Handle:
+    the description itself (releasing gives those bytes back).
+    """
 
     def __init__(self, capacity: dict[Hashable, int | None]):
         self.capacity = dict(capacity)
         self.used: dict[Hashable, int] = {dev: 0 for dev in capacity}
         self.peak: dict[Hashable, int] = {dev: 0 for dev in capacity}
 
-    def fits_ever(self, device: Hashable, nbytes: int) -> bool:
+    def never_fits(self, description: tuple[Hashable, int]) -> str | None:
+        """Why ``description`` can never be granted, or None if it fits an idle pool."""
+        device, nbytes = description
         cap = self.capacity.get(device)
-        return cap is None or nbytes <= cap
+        if cap is None or nbytes <= cap:
+            return None
+        return f"needs {nbytes} workspace bytes, more than the {cap} available on device {device}"
 
-    def acquire(self, device: Hashable, nbytes: int) -> bool:
+    def try_acquire(self, description: tuple[Hashable, int]) -> tuple[Hashable, int] | None:
+        device, nbytes = description
         cap = self.capacity.get(device)
         used = self.used.get(device, 0)
         if cap is not None and used + nbytes > cap:
-            return False
+            return None
         used += nbytes
         self.used[device] = used
         if used > self.peak.get(device, 0):
             self.peak[device] = used
-        return True
+        return description
 
-    def release(self, device: Hashable, nbytes: int) -> None:
+    def release(self, handle: tuple[Hashable, int]) -> None:
+        device, nbytes = handle
         self.used[device] -= nbytes
-
-
-class LockTable:
-    """Named locks (MVertex.lock), held by at most one running vertex each."""
-
-    def __init__(self):
-        self._held: set[str] = set()
-
-    def acquire(self, name: str) -> bool:
-        if name in self._held:
-            return False
-        self._held.add(name)
-        return True
-
-    def release(self, name: str) -> None:
-        self._held.discard(name)
-
-    def held(self, name: str) -> bool:
-        return name in self._held

@@ -4,7 +4,7 @@
     out = engine.run(mg, batch, ordering="deterministic", trace="step.json")
 
 Everything that can be checked before work starts (the batch, the ordering,
-stream counts, workspace) is checked first, so a bad call changes nothing.
+stream counts, workspace, locks) is checked first, so a bad call changes nothing.
 """
 
 from __future__ import annotations

@@ -1,16 +1,24 @@
 """What the engine keeps on a MemGraph between steps (``mg.runtime``), shared by backends.
 
 A runtime owns the arena (one byte buffer per device), the CPU storage (one
-byte buffer), the step counter, and the loop's precomputed graph. Backends
-(engine/cpu.py, engine/cuda.py) subclass it and add how buffers are
-allocated and how a vertex is launched:
+byte buffer), the step counter, the loop's precomputed graph, and every
+vertex decoded once: ``execute(mg, vid)`` binds a vertex to its views on its
+first launch (``bind_<kind>``, below) and runs it through its kind's hook
+(``run_<kind>``, in the backend; engine/decode.py has the one table from
+Kind to hook names). Backends (engine/cpu.py, engine/cuda.py) subclass it
+and add how buffers are allocated, how a vertex is launched and how each
+kind runs:
 
     _allocate(mg)                     allocate self.arenas {device: uint8} and self.storage
     begin_step(mg, leaves, step)      per-step state (StepContext, batch leaves, outputs)
     completion_source()               optional: what the loop blocks on (default: a SimpleQueue)
     launch(item, notify)              start vertex item.vertex on stream instance
-                                      (item.key, item.instance); call notify(Completion)
-                                      exactly once, from any thread, when it is done
+                                      (item.key, item.instance), calling execute(mg, vid) there;
+                                      call notify(Completion) exactly once, from any thread, when done
+    run_compute(vid, PreparedVertex)  run each kind with what bind_<kind> made of the vertex:
+    run_offload / run_reload / run_copy(vid, ((dst bytes, src bytes), ...))
+    run_input(vid, InputBinding)      copy batch leaf .leaf into .dst
+    run_output(vid, OutputBinding)    make .src the step's output .name
     end_step() -> dict                the step's outputs; abort_step() after a failure
     close()                           stop worker threads / free buffers
 """
@@ -20,11 +28,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import NamedTuple
 
 import torch
+from turnip.engine.decode import input_place, output_place, per_vertex, transfer_pairs
 from turnip.engine.errors import EngineError
 from turnip.engine.loop import StaticGraph
-from turnip.ir.memgraph import MemGraph, Place
+from turnip.ir.describe import format_vertex
+from turnip.ir.memgraph import MemGraph, MVertex, Place
 from turnip.kernels.launch import PreparedVertex
 from turnip.kernels.views import ref_view, typed_view
 
@@ -55,6 +66,20 @@ def workspace_capacity(mg: MemGraph, devices: list[int]) -> dict[int, int | None
     return {dev: cap for dev in devices}
 
 
+class InputBinding(NamedTuple):
+    leaf: int  # index of the batch leaf it loads
+    dst: torch.Tensor  # the value's view where it goes
+
+
+class OutputBinding(NamedTuple):
+    name: str  # its key in the dict engine.run returns
+    src: torch.Tensor  # the value's view where it is read
+
+
+def _unknown_kind(self, mg: MemGraph, mv: MVertex):
+    raise EngineError(f"vertex {mv.id}: unknown kind {mv.kind!r}")
+
+
 class Runtime:
     device_type = "cpu"
 
@@ -68,7 +93,11 @@ class Runtime:
         self.arenas: dict[int, torch.Tensor] = {}
         self.storage: torch.Tensor | None = None
         self._views: dict[tuple, torch.Tensor] = {}
-        self._prepared: dict[int, object] = {}
+        n = self.graph.n
+        self._bound: list = [None] * n  # per vertex: what bind_<kind> made of it, on its first launch
+        # plain functions, not bound methods, which would tie the runtime to itself in a reference cycle
+        self._binders = per_vertex(type(self), "bind_", mg.vertices, unknown=_unknown_kind)
+        self._runners = per_vertex(type(self), "run_", mg.vertices, unknown=_unknown_kind)
         self.leaf_of = {vid: i for i, vid in enumerate(mg.taskgraph.batch_inputs)}  # batch value -> leaf
         self._output_names = {vid: name for name, vid in mg.taskgraph.outputs.items()}
         self.fuzz_seed: int | None = None  # set per step by engine.run for random orderings
@@ -122,24 +151,53 @@ class Runtime:
         """The key an OUTPUT vertex's value gets in the dict engine.run returns."""
         return mv.name or self._output_names.get(mv.value) or f"value:{mv.value}"
 
-    def prepared(self, mg: MemGraph, mv):
-        """The compute vertex bound once to its arena views (cached: places never move)."""
-        cache = self._prepared
-        prepared = cache.get(mv.id)
-        if prepared is None:
-            tv = mg.taskgraph.vertices[mv.task_vertex]
-            reads = mv.reads
+    # -- vertices: bound once, run through their kind's hook -------------------------------
+    def execute(self, mg: MemGraph, vid: int) -> None:
+        """Run vertex ``vid`` with its kind's run_ hook, binding it on its first launch.
 
-            def resolve(ref):
-                place = reads.get(ref.value)
-                if place is None:
-                    raise EngineError(f"vertex {mv.id} reads value {ref.value}, which its MemGraph vertex "
-                                      f"does not place")
-                return ref_view(self.view(mg, place, ref.value), ref)
+        A binding is cached only once made, so a vertex that fails to bind (a place outside its
+        buffer) fails again at its next launch instead of running with a half-made binding.
+        """
+        binding = self._bound[vid]
+        if binding is None:
+            binding = self._bound[vid] = self._binders[vid](self, mg, mg.vertices[vid])
+        self._runners[vid](self, vid, binding)
 
-            outs = [self.view(mg, mv.writes[o], o) if o >= 0 and o in mv.writes else None for o in tv.outputs]
-            prepared = cache[mv.id] = PreparedVertex(tv, resolve, outs)
-        return prepared
+    def bind_compute(self, mg: MemGraph, mv: MVertex) -> PreparedVertex:
+        """The compute vertex bound to its arena views (places never move)."""
+        tv = mg.taskgraph.vertices[mv.task_vertex]
+        reads = mv.reads
+
+        def resolve(ref):
+            place = reads.get(ref.value)
+            if place is None:
+                raise EngineError(f"vertex {mv.id} reads value {ref.value}, which its MemGraph vertex "
+                                  f"does not place")
+            return ref_view(self.view(mg, place, ref.value), ref)
+
+        outs = [self.view(mg, mv.writes[o], o) if o >= 0 and o in mv.writes else None for o in tv.outputs]
+        return PreparedVertex(tv, resolve, outs)
+
+    def bind_transfer(self, mg: MemGraph, mv: MVertex) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """((destination bytes, source bytes), ...): offload, reload and copy all move a value's bytes."""
+        values = mg.taskgraph.values
+        pairs = []
+        for v, src, dst in transfer_pairs(mg, mv):
+            n = values[v].nbytes
+            pairs.append((self.bytes_of(dst, n), self.bytes_of(src, n)))
+        return tuple(pairs)
+
+    bind_offload = bind_reload = bind_copy = bind_transfer
+
+    def bind_input(self, mg: MemGraph, mv: MVertex) -> InputBinding:
+        idx = self.leaf_of.get(mv.value)
+        if idx is None:
+            raise EngineError(f"{format_vertex(mg, mv.id, inputs=False)}: value {mv.value} is not a batch input")
+        return InputBinding(idx, self.view(mg, input_place(mg, mv), mv.value))
+
+    def bind_output(self, mg: MemGraph, mv: MVertex) -> OutputBinding:
+        src = self.view(mg, output_place(mg, mv), mv.value)
+        return OutputBinding(self.output_name(mv), src)
 
     # -- persistent state -------------------------------------------------------------
     @torch.no_grad()
@@ -210,7 +268,7 @@ class Runtime:
 
     def close(self) -> None:
         """Drop every reference to the arena and storage so their memory is freed now."""
-        self._prepared.clear()
+        self._bound = [None] * len(self._bound)
         self._views.clear()
         self.arenas.clear()
         self.storage = None

@@ -5,7 +5,7 @@
     res.write_trace("sim.json", mg)                                 # the same Chrome trace engine.run writes
 
 No hardware and no second scheduler: the loop's ``Scheduler`` with the real
-StreamPool / WorkspacePool / LockTable decides every launch, exactly as
+StreamPool / WorkspacePool decides every launch, exactly as
 ``engine.loop.drive`` does; only the clock is virtual. What the model assumes:
 
 - Durations. A compute vertex takes its TaskGraph vertex's ``time`` (else the
@@ -43,12 +43,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from turnip.engine.chrome_trace import write_trace
+from turnip.engine.decode import per_vertex
 from turnip.engine.errors import StallError
 from turnip.engine.loop import Record, Scheduler, StaticGraph
 from turnip.engine.policy import Policy, make_policy
-from turnip.engine.resources import LockTable, StreamPool, WorkspacePool, stream_counts
+from turnip.engine.resources import StreamPool, WorkspacePool, stream_counts
 from turnip.engine.runtime import arena_devices, workspace_capacity
-from turnip.ir.memgraph import Kind, MemGraph, Stream
+from turnip.ir.memgraph import Kind, MemGraph, MVertex, Stream
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class SimResult:
                 "bytes_d2h": self.bytes_d2h, "ordering": self.ordering, "seed": self.seed, "jitter": self.jitter}
 
     def write_trace(self, path: str | Path, mg: MemGraph, meta: dict | None = None) -> Path:
-        """A Chrome/Perfetto trace through engine/trace.py's writer (times are simulated)."""
+        """A Chrome/Perfetto trace through engine/chrome_trace.py's writer (times are simulated)."""
         return write_trace(path, mg, self.records, self.keys, 0.0, instances=self.instances,
                            meta={"simulated": True, **self.summary(), **(meta or {})})
 
@@ -133,6 +134,37 @@ def direction(mv) -> str | None:
     return None
 
 
+class _Durations:
+    """Seconds per vertex kind before noise: the ``time_<kind>`` hooks of engine/decode.py's one dispatch."""
+
+    def __init__(self, mg: MemGraph, model: Any, h2d: float, d2h: float, hbm: float):
+        self.mg, self.model, self.h2d, self.d2h, self.hbm = mg, model, h2d, d2h, hbm
+        self.untimed = 0  # compute vertices that carry no time (and got none from the cost model)
+
+    def time_compute(self, mv: MVertex) -> float:
+        tg = self.mg.taskgraph
+        if not 0 <= mv.task_vertex < len(tg.vertices):
+            return 0.0
+        tv = tg.vertices[mv.task_vertex]
+        t = float(tv.time)
+        if t <= 0 and self.model is not None:
+            t = float(self.model.estimate(tg, tv)[0])
+        self.untimed += t <= 0
+        return t
+
+    def time_h2d(self, mv: MVertex) -> float:
+        return moved_bytes(self.mg, mv.id) / self.h2d
+
+    def time_d2h(self, mv: MVertex) -> float:
+        return moved_bytes(self.mg, mv.id) / self.d2h
+
+    def time_copy(self, mv: MVertex) -> float:
+        return 2 * moved_bytes(self.mg, mv.id) / self.hbm  # read and write, both in HBM
+
+    time_reload = time_input = time_h2d
+    time_offload = time_output = time_d2h
+
+
 def nominal_durations(mg: MemGraph, costs: Any = None, bandwidth: Any = None, overhead: float = 0.0) -> list[float]:
     """Seconds per MemGraph vertex before noise.
 
@@ -144,28 +176,16 @@ def nominal_durations(mg: MemGraph, costs: Any = None, bandwidth: Any = None, ov
     model = None if isinstance(costs, Mapping) else costs
     h2d, d2h = link_bandwidths(model, bandwidth)
     hbm = float(getattr(getattr(model, "spec", None), "mem_bw", DEFAULT_HBM))
-    tg = mg.taskgraph
+    durations = _Durations(mg, model, h2d, d2h, hbm)
+    # a vertex of an unknown kind is priced as compute (its task vertex's time, if any)
+    hooks = per_vertex(durations, "time_", mg.vertices, unknown=durations.time_compute)
     out = []
-    untimed = 0
-    for mv in mg.vertices:
+    for mv, seconds in zip(mg.vertices, hooks):
         if mv.id in override:
             out.append(float(override[mv.id]))
             continue
-        way = direction(mv)
-        if way is not None:
-            t = moved_bytes(mg, mv.id) / (h2d if way == "h2d" else d2h)
-        elif mv.kind is Kind.COPY:
-            t = 2 * moved_bytes(mg, mv.id) / hbm
-        elif 0 <= mv.task_vertex < len(tg.vertices):
-            tv = tg.vertices[mv.task_vertex]
-            t = float(tv.time)
-            if t <= 0 and model is not None:
-                t = float(model.estimate(tg, tv)[0])
-            untimed += t <= 0
-        else:
-            t = 0.0
-        out.append(t + overhead)
-    if untimed and untimed == sum(1 for mv in mg.vertices if mv.kind is Kind.COMPUTE):
+        out.append(seconds(mv) + overhead)
+    if durations.untimed and durations.untimed == sum(1 for mv in mg.vertices if mv.kind is Kind.COMPUTE):
         log.warning("no compute vertex carries a time: the simulation counts transfers only "
                     "(annotate with planners.costs.CostModel().annotate(mg.taskgraph) or pass costs=)")
     return out
@@ -342,7 +362,7 @@ def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str
     counts = stream_counts(backend, streams)
     pool = StreamPool([counts[stream] for stream, _ in graph.keys])
     ws = WorkspacePool(workspace_capacity(mg, arena_devices(mg)))
-    sched = Scheduler(graph, policy.ranks(mg), policy.strict, pool, ws, LockTable())
+    sched = Scheduler(graph, policy.ranks(mg), policy.strict, pool, ws)
     durations = nominal_durations(mg, costs, bandwidth, overhead)
     if jitter > 0:
         z = np.random.default_rng(seed).standard_normal(len(durations))

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import threading
 
 import pytest
 import torch
-from engine_graphs import Placer, add_value, finish, new_memgraph, ref, step_graph, wide_graph
+from engine_graphs import step_graph, wide_graph
 from turnip.engine.errors import EngineError
 from turnip.ir import memgraph as mgmod
-from turnip.ir.memgraph import Edge, Kind, Stream
-from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind
+from turnip.ir.memgraph import Kind, Stream
 
 from turnip import engine
 
@@ -91,44 +89,6 @@ def test_state_dict_before_any_run_is_initial_state():
     mg, _, _ = step_graph()
     sd = mg.state_dict()
     assert torch.equal(sd["W"], mg.initial_state[mg.names["W"]])
-
-
-def sum_into_graph(adders: int = 12):
-    """acc = 0; acc += t_i (in place, under lock "acc") for i < adders; integers, so any order is exact."""
-    tg = TaskGraph()
-    xs = add_value(tg, (adders, 32), dtype=torch.int64, kind=ValueKind.BATCH, name="batch:xs")
-    acc = add_value(tg, (32,), dtype=torch.int64)
-    tg.batch_inputs = [xs]
-    mg = new_memgraph(tg)
-    P = Placer(tg)
-    A_xs, A_acc = P.gpu(xs), P.gpu(acc)
-    m_in = mg.add_vertex(Kind.INPUT, Stream.H2D, value=xs, writes={xs: A_xs})
-    t0 = tg.add_vertex("aten::zero_", (ref(tg, acc),), outputs=(acc,), copy_in=())
-    m_zero = mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE, task_vertex=t0, writes={acc: A_acc})
-    adds = []
-    for i in range(adders):
-        row = TensorRef(xs, (32,), (1,), i * 32)  # a view: row i of xs
-        t = tg.add_vertex("aten::add_.Tensor", (ref(tg, acc), row), outputs=(acc,), module=f"acc{i}")
-        m = mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE, task_vertex=t, reads={xs: A_xs}, writes={acc: A_acc},
-                          lock="acc")
-        mg.add_edge(m_in, m, Edge.DATA)
-        mg.add_edge(m_zero, m, Edge.DATA)
-        adds.append(m)
-    tg.outputs = {"acc": acc}
-    m_out = mg.add_vertex(Kind.OUTPUT, Stream.D2H, value=acc, reads={acc: A_acc}, name="acc")
-    for m in adds:
-        mg.add_edge(m, m_out, Edge.DATA)
-    return finish(mg, P), adds
-
-
-def test_sum_into_lock_is_exclusive_and_exact():
-    mg, adds = sum_into_graph()
-    xs = torch.randint(-1000, 1000, (12, 32), generator=torch.Generator().manual_seed(0))
-    for seed in range(5):
-        out = engine.run(mg, {"xs": xs}, ordering="random", seed=seed, streams={"compute": 4})
-        assert torch.equal(out["acc"], xs.sum(0))
-        spans = sorted((r.start, r.end) for r in mg.runtime.last_records if r.vertex in adds)
-        assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans)), "lock holders overlapped"
 
 
 def test_trace_file_written_and_parses(tmp_path):

@@ -109,6 +109,42 @@ def test_failing_transfer_is_a_vertex_error():
     assert torch.equal(out["total"], reference(0)["total"])
 
 
+def test_transfer_whose_reads_and_writes_cannot_be_paired_names_it():
+    mg, batch, reference = wide_graph(chains=2, length=2)
+    bad = next(mv for mv in mg.vertices if mv.kind is Kind.RELOAD)
+    good_reads = bad.reads
+    (val, cpu_place), = good_reads.items()
+    other = mg.taskgraph.batch_inputs[0]
+    bad.reads = {val: cpu_place, other: cpu_place}  # two values read, one written: which goes where?
+    with pytest.raises(VertexError, match=f"vertex {bad.id} \\(reload\\) of value {val} reads values "
+                                          f"\\[.*\\] but writes \\[{val}\\]: cannot pair them"):
+        run_bounded(lambda: engine.run(mg, batch(0)))
+    bad.reads = good_reads
+    out = run_bounded(lambda: engine.run(mg, batch(0)))
+    assert torch.equal(out["total"], reference(0)["total"])
+
+
+def test_vertex_is_decoded_once_per_memgraph():
+    mg, batch, _ = step_graph()
+    engine.run(mg, batch(1))
+    rt = mg.runtime
+    first = list(rt._bound)
+    assert all(b is not None for b in first)  # every vertex ran, so every vertex is bound
+    engine.run(mg, batch(2))
+    assert all(a is b for a, b in zip(first, rt._bound))  # the second step reused every binding
+
+
+def test_vertex_with_a_lock_is_refused_before_any_work():
+    mg, batch, reference = step_graph()
+    mg.vertices[2].lock = "acc"
+    with pytest.raises(ResourceError, match="vertex 2 \\(compute aten::mm\\) in module 'lin' asks for lock 'acc'"):
+        engine.run(mg, batch(1))
+    assert mg.runtime is None
+    mg.vertices[2].lock = None
+    want_outs, _ = reference(1)
+    assert torch.equal(engine.run(mg, batch(1))["loss"], want_outs[0]["loss"])
+
+
 def cycle_graph():
     """input -> a -> b -> a (cycle) -> output: a, b and the output can never run."""
     tg = TaskGraph()

@@ -10,7 +10,7 @@ from turnip.engine import DeterministicPolicy, RandomPolicy, SerialPolicy, Stall
 from turnip.engine.errors import ResourceError
 from turnip.engine.loop import Completion, Scheduler, StaticGraph, drive
 from turnip.engine.policy import make_policy, serial_positions
-from turnip.engine.resources import LockTable, StreamPool, WorkspacePool, stream_counts
+from turnip.engine.resources import StreamPool, WorkspacePool, stream_counts
 from turnip.ir.memgraph import Edge, Kind, MemGraph, Stream
 from turnip.ir.plan import Plan
 from turnip.ir.taskgraph import TaskGraph
@@ -18,15 +18,14 @@ from turnip.ir.taskgraph import TaskGraph
 STREAMS = (Stream.COMPUTE, Stream.H2D, Stream.D2H)
 
 
-def random_memgraph(n: int, seed: int, p_edge: float = 0.08, locks: int = 2, p_lock: float = 0.2,
-                    p_ws: float = 0.3, shuffle_serial: bool = False) -> MemGraph:
-    """A random DAG over n vertices (edges only from lower to higher ids), random streams/locks/workspace."""
+def random_memgraph(n: int, seed: int, p_edge: float = 0.08, p_ws: float = 0.3,
+                    shuffle_serial: bool = False) -> MemGraph:
+    """A random DAG over n vertices (edges only from lower to higher ids), random streams/workspace."""
     rng = random.Random(seed)
     mg = MemGraph(taskgraph=TaskGraph(), plan=Plan(gpu_budget=0))
     for _ in range(n):
-        lock = f"L{rng.randrange(locks)}" if locks and rng.random() < p_lock else None
         ws = rng.choice([10, 40, 70]) if rng.random() < p_ws else 0
-        mg.add_vertex(Kind.COMPUTE, rng.choice(STREAMS), workspace=ws, lock=lock)
+        mg.add_vertex(Kind.COMPUTE, rng.choice(STREAMS), workspace=ws)
     for dst in range(n):
         for src in range(max(0, dst - 12), dst):
             if rng.random() < p_edge:
@@ -44,7 +43,7 @@ def make_scheduler(mg, policy, counts=None, ws_cap=100):
     graph = StaticGraph(mg)
     counts = counts or {Stream.COMPUTE: 2, Stream.H2D: 1, Stream.D2H: 1}
     pool = StreamPool([counts[s] for s, _ in graph.keys])
-    return Scheduler(graph, policy.ranks(mg), policy.strict, pool, WorkspacePool({0: ws_cap}), LockTable())
+    return Scheduler(graph, policy.ranks(mg), policy.strict, pool, WorkspacePool({0: ws_cap}))
 
 
 class Checker:
@@ -61,8 +60,6 @@ class Checker:
         mv = self.mg.vertices[v]
         busy = sum(1 for u in self.running if self.mg.vertices[u].stream == mv.stream)
         if busy >= self.counts[mv.stream]:
-            return True
-        if mv.lock and any(self.mg.vertices[u].lock == mv.lock for u in self.running):
             return True
         used = sum(self.mg.vertices[u].workspace for u in self.running)
         return used + mv.workspace > self.ws_cap
@@ -84,6 +81,8 @@ class Checker:
             self.running[v] = (item.key, item.instance)
             self.launched.append(v)
         rank = self.s.rank
+        # one dispatch launches best rank first, across stream classes too
+        assert [rank[i.vertex] for i in items] == sorted(rank[i.vertex] for i in items), "launched out of rank order"
         if strict:
             # the next vertex of each stream class in serial order launches as soon as it can
             started = set(self.launched)
@@ -100,7 +99,7 @@ class Checker:
             for item in items:
                 for u in waiting:
                     mu, mv = self.mg.vertices[u], self.mg.vertices[item.vertex]
-                    if mu.stream == mv.stream and not mu.lock and not mu.workspace:
+                    if mu.stream == mv.stream and not mu.workspace:
                         assert rank[item.vertex] < rank[u], f"{item.vertex} launched before better-ranked {u}"
 
     def complete(self, v):
@@ -168,18 +167,39 @@ def test_highest_priority_first_on_one_stream():
     assert order == mg.serial
 
 
-def test_locks_serialize_but_do_not_block_others():
+def test_best_ranked_first_across_stream_classes():
+    """Vertices of different stream classes ready together launch in rank order, not stream-class order.
+
+    The order matters: the backends start them in this order, and a resource they compete for goes
+    to the first. With every class's stream free, one dispatch launches all of them.
+    """
     mg = MemGraph(taskgraph=TaskGraph(), plan=Plan(gpu_budget=0))
-    a = mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE, lock="acc")
-    b = mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE, lock="acc")
-    c = mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE)
-    sched = make_scheduler(mg, SerialPolicy(), {Stream.COMPUTE: 3, Stream.H2D: 1, Stream.D2H: 1})
-    first = {l.vertex for l in sched.start()}
-    assert first == {a, c}  # b waits for the lock, c runs beside a
-    assert [l.vertex for l in sched.complete(c)] == []
-    assert [l.vertex for l in sched.complete(a)] == [b]
-    sched.complete(b)
-    assert sched.finished
+    # ids in stream-class order (compute, h2d, d2h), ranks interleaved and in neither id nor class order
+    classes = [Stream.COMPUTE, Stream.COMPUTE, Stream.H2D, Stream.H2D, Stream.D2H, Stream.D2H]
+    for cls in classes:
+        mg.add_vertex(Kind.COMPUTE, cls)
+    mg.serial = [4, 2, 0, 5, 3, 1]
+    counts = {Stream.COMPUTE: 2, Stream.H2D: 2, Stream.D2H: 2}
+    for policy in (SerialPolicy(), DeterministicPolicy()):
+        assert [l.vertex for l in make_scheduler(mg, policy, counts).start()] == mg.serial, policy
+    # one workspace slot that every class wants: the best-ranked vertex gets it, whatever its class
+    mg = MemGraph(taskgraph=TaskGraph(), plan=Plan(gpu_budget=0))
+    for cls in classes:
+        mg.add_vertex(Kind.COMPUTE, cls, workspace=60)
+    mg.serial = [4, 2, 0, 5, 3, 1]
+    sched = make_scheduler(mg, SerialPolicy(), counts, ws_cap=100)
+    order = [l.vertex for l in sched.start()]
+    while not sched.finished:
+        order += [l.vertex for l in sched.complete(order[-1])]
+    assert order == mg.serial
+
+
+def test_lock_is_refused_until_a_resource_produces_locks():
+    mg = MemGraph(taskgraph=TaskGraph(), plan=Plan(gpu_budget=0))
+    mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE)
+    mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE, lock="acc")
+    with pytest.raises(ResourceError, match="vertex 1 \\(compute\\) asks for lock 'acc': no builder produces locks"):
+        StaticGraph(mg)
 
 
 def test_workspace_bounded_and_oversize_refused():
@@ -195,9 +215,9 @@ def test_workspace_bounded_and_oversize_refused():
         make_scheduler(mg, SerialPolicy(), ws_cap=100)
 
 
-def test_lock_and_workspace_heavy_random_graphs():
+def test_workspace_heavy_random_graphs():
     for seed in range(5):
-        mg = random_memgraph(80, 100 + seed, locks=1, p_lock=0.5, p_ws=0.6)
+        mg = random_memgraph(80, 100 + seed, p_ws=0.6)
         play(mg, SerialPolicy(), seed, counts={Stream.COMPUTE: 4, Stream.H2D: 2, Stream.D2H: 2}, ws_cap=100)
         play(mg, DeterministicPolicy(), seed, counts={Stream.COMPUTE: 4, Stream.H2D: 2, Stream.D2H: 2}, ws_cap=100)
 
@@ -316,24 +336,24 @@ def test_policies_and_stream_counts():
 
 
 def test_resource_managers():
-    pool = StreamPool([2])
-    a, b = pool.acquire(0), pool.acquire(0)
-    assert {a, b} == {0, 1} and pool.acquire(0) is None and pool.busy(0) == 2
-    pool.release(0, a)
-    assert pool.acquire(0) == a
+    pool = StreamPool([1, 2])
+    a, b = pool.try_acquire(1), pool.try_acquire(1)
+    assert {a, b} == {(1, 0), (1, 1)} and pool.try_acquire(1) is None and pool.busy(1) == 2
+    assert pool.try_acquire(0) == (0, 0) and pool.busy(1) == 2
+    pool.release(a)
+    assert pool.try_acquire(1) == a
     ws = WorkspacePool({0: 10})
-    assert ws.acquire(0, 6) and not ws.acquire(0, 6) and ws.acquire(0, 4)
-    ws.release(0, 6)
+    six, four = (0, 6), (0, 4)
+    held = ws.try_acquire(six)
+    assert held is not None and ws.try_acquire(six) is None and ws.try_acquire(four) is not None
+    ws.release(held)
     assert ws.used[0] == 4 and ws.peak[0] == 10
-    locks = LockTable()
-    assert locks.acquire("x") and not locks.acquire("x")
-    locks.release("x")
-    assert locks.acquire("x")
+    assert ws.never_fits((0, 10)) is None and "11 workspace bytes" in ws.never_fits((0, 11))
 
 
 def test_completion_path_cost_per_vertex():
     """Bookkeeping per vertex (complete + launch) with no backend; CUDA needs it well under 10 us."""
-    mg = random_memgraph(20000, 11, p_edge=0.15, locks=0, p_ws=0.0)
+    mg = random_memgraph(20000, 11, p_edge=0.15, p_ws=0.0)
     sched = make_scheduler(mg, SerialPolicy(), {Stream.COMPUTE: 5, Stream.H2D: 2, Stream.D2H: 2})
     t0 = time.perf_counter()
     fifo = [l.vertex for l in sched.start()]

@@ -33,10 +33,9 @@ class Hand:
             self.mg.add_edge(a, vid, Edge.DATA)
         return vid
 
-    def compute(self, ms: float, after=(), workspace: int = 0, lock: str | None = None) -> int:
+    def compute(self, ms: float, after=(), workspace: int = 0) -> int:
         tv = self.tg.add_vertex("synthetic", time=ms * MS)
-        vid = self.mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE, task_vertex=tv, workspace=workspace, lock=lock,
-                                 writes={})
+        vid = self.mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE, task_vertex=tv, workspace=workspace, writes={})
         return self._edges(vid, after)
 
     def transfer(self, kind: Kind, ms: float, after=()) -> int:
@@ -197,11 +196,11 @@ def test_early_launched_transfer_holds_its_stream_until_its_input_is_done():
     assert plain.step_time == pytest.approx(3 * MS)
 
 
-def test_workspace_and_locks_come_from_the_engine_resource_managers():
-    def graph(budget: int, lock=None):
+def test_workspace_comes_from_the_engine_resource_manager():
+    def graph(budget: int):
         h = Hand()
-        h.compute(1, workspace=60, lock=lock)
-        h.compute(1, workspace=60, lock=lock)
+        h.compute(1, workspace=60)
+        h.compute(1, workspace=60)
         mg = h.done()
         mg.plan.gpu_budget = budget  # workspace capacity = budget - arena (0 here)
         return mg
@@ -210,7 +209,6 @@ def test_workspace_and_locks_come_from_the_engine_resource_managers():
     assert starts(simulate(graph(100), **kw)) == {0: 0, 1: 1}  # 60 + 60 > 100: one after the other
     both = simulate(graph(200), **kw)
     assert starts(both) == {0: 0, 1: 0} and ends(both) == {0: 2, 1: 2}  # two streams share the GPU
-    assert starts(simulate(graph(200, lock="acc"), **kw)) == {0: 0, 1: 1}
 
 
 def test_jitter_is_seeded_and_keeps_the_mean():
