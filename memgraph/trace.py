@@ -339,9 +339,13 @@ FUSED_GROUP_BYTES = 64 << 20  # parameter bytes one multi-tensor update vertex c
 
 def _fused_groups(members: list[tuple]) -> list[list[tuple]]:
     """Consecutive parameters of one block (module path up to its first numeric part, e.g.
-    'blocks.3') and one param group, up to FUSED_GROUP_BYTES each: small tensors (norms, biases)
-    share a launch with their block's matrices, and a group's update waits only for its block's
-    gradients, so the planner can still stream optimizer states block by block."""
+    'blocks.3') and one param group: small tensors (norms, biases) share a launch with their
+    block's matrices, and a group's update waits only for its block's gradients, so the planner
+    can still stream optimizer states block by block. A group holds at most as many parameter
+    bytes as the largest single parameter (and FUSED_GROUP_BYTES), so no group's update needs
+    more memory at once than the largest parameter's own update: the smallest feasible budget
+    does not grow."""
+    cap = min(FUSED_GROUP_BYTES, max((m[1].numel() * m[1].element_size() for m in members), default=0))
     def block(name: str) -> str:
         parts = name.split(".")
         for k, part in enumerate(parts[:-1]):
@@ -355,7 +359,7 @@ def _fused_groups(members: list[tuple]) -> list[list[tuple]]:
         name, param, group = member[0], member[1], member[2]
         nbytes = param.numel() * param.element_size()
         this = (block(name), group, param.dtype)
-        if groups and this == key and size + nbytes <= FUSED_GROUP_BYTES:
+        if groups and this == key and size + nbytes <= cap:
             groups[-1].append(member)
             size += nbytes
         else:
