@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 
 import torch
@@ -52,8 +53,8 @@ class EventCompletions:
         while not self.ready:
             if not rt.poll():
                 spins += 1
-                if spins > 2000:  # nothing finished for a while: yield the core briefly
-                    time.sleep(20e-6)
+                if spins > 2000:  # nothing finished for a while: let other threads run, but never
+                    os.sched_yield()  # sleep (a sleep takes 50-80 us on Linux, a transfer may end any time)
         return self.ready.popleft()
 
 
@@ -100,7 +101,7 @@ class CudaRuntime(Runtime):
     def _allocate(self, mg: MemGraph) -> None:
         for dev in self.devices:
             self.arenas[dev] = torch.empty(mg.arena_bytes, dtype=torch.uint8, device=torch.device("cuda", dev))
-        self.storage = torch.empty(mg.cpu_bytes, dtype=torch.uint8, pin_memory=True)
+        self.storage = pinned_bytes(mg.cpu_bytes)
         log.info("cuda runtime: arena %d bytes on %s, pinned storage %d bytes", mg.arena_bytes, self.devices,
                  mg.cpu_bytes)
 
@@ -145,6 +146,8 @@ class CudaRuntime(Runtime):
         self.lanes.clear()
         self.host_out.clear()
         self.rng = None
+        if self.storage is not None and self.storage.numel():
+            unpin(self.storage)
         super().close()
         torch.cuda.empty_cache()
 
@@ -192,7 +195,9 @@ class CudaRuntime(Runtime):
             timers[vid][1].record(stream)
         events[vid].record(stream)
         lane.in_flight.append(vid)
-        if lane.early and lane.reported_in_flight < self.depth:
+        # a vertex holding workspace is reported only once it really finished: the loop frees its
+        # workspace on the report, and another stream could take those bytes while it still runs
+        if lane.early and lane.reported_in_flight < self.depth and not self.graph.needs[vid]:
             lane.reported_in_flight += 1
             self.reported[vid] = 1
             self.completions.ready.append(Completion(vid, None, 0.0, 0.0))
@@ -216,7 +221,8 @@ class CudaRuntime(Runtime):
                     ready.append(Completion(vid, None, 0.0, time.perf_counter()))
                     moved = True
             if lane.early:
-                while lane.unreported and lane.reported_in_flight < depth:
+                needs = self.graph.needs
+                while lane.unreported and lane.reported_in_flight < depth and not needs[lane.unreported[0]]:
                     vid = lane.unreported.popleft()
                     reported[vid] = 1
                     lane.reported_in_flight += 1
@@ -246,6 +252,23 @@ class CudaRuntime(Runtime):
             host = self.host_out[vid] = torch.empty_like(src, device="cpu").pin_memory()
         host.copy_(src, non_blocking=True)
         self.outputs[binding.name] = host
+
+
+def pinned_bytes(nbytes: int) -> torch.Tensor:
+    """Exactly nbytes of page-locked host memory. torch's pinned allocator rounds a request up to
+    a power of two (11 GB becomes 16 GiB); registering an ordinary buffer with cudaHostRegister
+    pins only what is asked for, and copies from it run asynchronously like any pinned memory."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise EngineError(f"cannot pin {nbytes} bytes of host memory for CPU storage (cudaHostRegister "
+                              f"error {int(err)}): lower the plan's CPU budget or free host memory")
+    return buf
+
+
+def unpin(buf: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
 
 def create_runtime(mg: MemGraph) -> CudaRuntime:

@@ -69,7 +69,7 @@ class MVertex:
     reads: dict[int, Place] = field(default_factory=dict)  # value id -> where it is read from
     writes: dict[int, Place] = field(default_factory=dict)  # value id -> where it is written
     workspace: int = 0  # bytes of temporary device memory while it runs
-    lock: str | None = None  # name of a lock held while running (sum-into accumulation)
+    lock: str | None = None  # a lock held while running (sum-into); no builder makes one yet, the engine refuses it
     name: str = ""  # output name for OUTPUT vertices
 
 
