@@ -5,6 +5,10 @@
 
 Everything that can be checked before work starts (the batch, the ordering,
 stream counts, workspace, locks) is checked first, so a bad call changes nothing.
+A step that fails before any weight was updated can simply be run again. One
+that fails after some weights were updated in place leaves them a mix of two
+steps: the error says so, and every later run, ``mg.state_dict()`` and
+``mg.save()`` refuse until ``mg.release()`` starts over from the compiled weights.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
     policy = make_policy(ordering, seed)
     leaves = flatten_batch(mg, batch)
     runtime = get_runtime(mg)
+    runtime.check_consistent()
     counts = stream_counts(runtime.device_type, streams)
     with runtime.lock:
         graph = runtime.graph
@@ -115,6 +120,13 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
             ok = True
         except EngineError as exc:
             exc.add_note(f"step {step}, ordering {policy!r}")  # a failing random order can be replayed by seed
+            updated = runtime.home_writers.intersection(scheduler.launch_order)
+            if updated:
+                runtime.mixed = (f"step {step} failed after {len(updated)} of {len(runtime.home_writers)} vertices "
+                                 f"that update weights or optimizer states in place had run: the weights mix steps "
+                                 f"{step - 1} and {step}. Call mg.release() to start again from the compiled "
+                                 f"weights (or load a saved MemGraph)")
+                exc.add_note(runtime.mixed)
             raise
         finally:
             if not ok:

@@ -105,6 +105,11 @@ class Runtime:
         self._ranks: dict[str, list[int]] = {}
         self.last_records: list = []  # Record of the last step (for traces and tests)
         self.last_launch_order: list[int] = []
+        # vertices that overwrite a home (updates in place, write-backs): once one has run, a failed
+        # step leaves some weights at step N and others at step N-1
+        home_places = set(mg.homes.values())
+        self.home_writers = frozenset(mv.id for mv in mg.vertices if any(p in home_places for p in mv.writes.values()))
+        self.mixed: str | None = None  # why the weights are a mix of two steps, after such a failure
         self._allocate(mg)
         self._write_initial_state(mg)
 
@@ -221,11 +226,17 @@ class Runtime:
             return mg.initial_state[vid].detach().clone()
         return self.view(mg, home, vid).detach().to("cpu", copy=True)
 
+    def check_consistent(self) -> None:
+        if self.mixed is not None:
+            raise EngineError(self.mixed)
+
     def state_dict(self, mg: MemGraph) -> dict:
+        self.check_consistent()
         return {name: self.read_home(mg, vid) for name, vid in mg.names.items()
                 if vid in mg.homes or vid in mg.initial_state}
 
     def persistent_state(self, mg: MemGraph) -> dict:
+        self.check_consistent()
         state = {vid: t for vid, t in mg.initial_state.items() if vid not in mg.homes}
         state.update({vid: self.read_home(mg, vid) for vid in mg.homes})
         return state

@@ -228,3 +228,82 @@ def test_workspace_over_budget_refused_and_bad_ordering():
     with pytest.raises(ValueError, match="ordering must be one of"):
         engine.run(mg, batch(2), ordering="fast")
     assert mg.runtime.step == 1
+
+
+def test_failure_after_in_place_updates_marks_the_weights_mixed(monkeypatch):
+    """Updates write the weights in their homes: a step failing after some of them ran cannot be rerun."""
+    from turnip.bench.models.mlp import MLP
+    from turnip.engine.cpu import CpuRuntime
+    from turnip.engine.errors import EngineError
+
+    from turnip import memgraph
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 4, depth=4)
+    batch = (torch.randn(16, 8), torch.randn(16, 4))
+
+    def loss_fn(m, b):
+        return torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+    mg = memgraph.compile(model, loss_fn, batch, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          budget=1.0, device="cpu")
+    fresh = memgraph.compile(model, loss_fn, batch, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             budget=1.0, device="cpu")
+    want = engine.run(fresh, batch)["loss"]
+    home_places = set(mg.homes.values())
+    writers = [v for v in mg.serial if mg.vertices[v].kind is Kind.COMPUTE
+               and any(p in home_places for p in mg.vertices[v].writes.values())]
+    assert len(writers) > 1
+    real, armed = CpuRuntime.run_compute, {"on": True}
+
+    def flaky(self, vid, prepared):
+        if armed["on"] and vid == writers[-1]:
+            raise RuntimeError("injected fault")
+        return real(self, vid, prepared)
+
+    monkeypatch.setattr(CpuRuntime, "run_compute", flaky)
+    with pytest.raises(VertexError, match="injected fault") as info:
+        engine.run(mg, batch, ordering="deterministic")
+    assert any("mix steps 0 and 1" in note for note in info.value.__notes__)
+    with pytest.raises(EngineError, match="mix steps 0 and 1"):
+        engine.run(mg, batch)
+    with pytest.raises(EngineError, match="mg.release"):
+        mg.state_dict()
+    armed["on"] = False
+    mg.release()  # back to the compiled weights: the step runs as the first one
+    assert torch.equal(engine.run(mg, batch)["loss"], want)
+    assert all(torch.equal(a, b) for a, b in zip(mg.state_dict().values(), fresh.state_dict().values()))
+
+
+def test_failure_before_any_update_leaves_the_weights_as_they_were(monkeypatch):
+    from turnip.bench.models.mlp import MLP
+    from turnip.engine.cpu import CpuRuntime
+
+    from turnip import memgraph
+
+    torch.manual_seed(0)
+    model = MLP(8, 16, 4, depth=4)
+    batch = (torch.randn(16, 8), torch.randn(16, 4))
+
+    def loss_fn(m, b):
+        return torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+    mg = memgraph.compile(model, loss_fn, batch, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          budget=1.0, device="cpu")
+    before = mg.state_dict()  # the compiled weights
+    first = mg.serial[next(i for i, v in enumerate(mg.serial) if mg.vertices[v].kind is Kind.COMPUTE)]
+    real, armed = CpuRuntime.run_compute, {"on": True}
+
+    def flaky(self, vid, prepared):
+        if armed["on"] and vid == first:
+            raise RuntimeError("injected fault")
+        return real(self, vid, prepared)
+
+    monkeypatch.setattr(CpuRuntime, "run_compute", flaky)
+    with pytest.raises(VertexError, match="injected fault"):
+        engine.run(mg, batch, ordering="deterministic")
+    after_failure = mg.state_dict()
+    assert before.keys() == after_failure.keys()
+    assert all(torch.equal(before[k], after_failure[k]) for k in before)
+    armed["on"] = False
+    engine.run(mg, batch)  # nothing was updated: the step simply runs again
