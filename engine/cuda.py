@@ -102,6 +102,7 @@ class CudaRuntime(Runtime):
         for dev in self.devices:
             self.arenas[dev] = torch.empty(mg.arena_bytes, dtype=torch.uint8, device=torch.device("cuda", dev))
         self.storage = pinned_bytes(mg.cpu_bytes)
+        self._pinned = mg.cpu_bytes > 0  # registered with CUDA: unregister before the bytes go back to the heap
         log.info("cuda runtime: arena %d bytes on %s, pinned storage %d bytes", mg.arena_bytes, self.devices,
                  mg.cpu_bytes)
 
@@ -146,10 +147,22 @@ class CudaRuntime(Runtime):
         self.lanes.clear()
         self.host_out.clear()
         self.rng = None
-        if self.storage is not None and self.storage.numel():
-            unpin(self.storage)
+        self._unpin()
         super().close()
         torch.cuda.empty_cache()
+
+    def _unpin(self) -> None:
+        if getattr(self, "_pinned", False):
+            unpin(self.storage)
+            self._pinned = False
+
+    def __del__(self) -> None:
+        # a MemGraph dropped without release(): its storage returns to the heap right after this, and a
+        # later registration of the same addresses would fail ("already registered")
+        try:
+            self._unpin()
+        except Exception:  # noqa: BLE001 - at interpreter exit the CUDA runtime may already be gone
+            pass
 
     def device_records(self, records: list, origin: float) -> list:
         """Replace host-side times by when each vertex ran on the GPU (the step has synchronized)."""

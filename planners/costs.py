@@ -8,8 +8,9 @@ Two sources, one interface:
 - analytic (FLOPs and bytes over the device's rates), for the CPU backend and for planning a
   device you are not on. Defaults describe an H100/H200-class GPU.
 
-``CostModel.annotate(tg)`` fills ``vertex.time`` and ``vertex.workspace``; planners read those
-and the two bandwidths.
+``CostModel.annotate(tg)`` fills ``vertex.time`` and ``vertex.workspace``; planners read those,
+the two bandwidths and the host seconds the engine spends per vertex it launches
+(``CostModel.host_per_vertex_on(device)``), a third resource beside the GPU and the link.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from turnip.planners import measure
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: workspace and time measured through PreparedVertex, back to back
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,13 @@ class DeviceSpec:
     mem_bw: float = 3e12  # HBM bytes/s
     h2d: float = 50e9  # pinned host -> device bytes/s
     d2h: float = 50e9  # device -> pinned host bytes/s
-    launch: float = 5e-6  # floor per op: launch latency plus engine bookkeeping
+    launch: float = 5e-6  # floor per op on the device: launch latency
+    # Host seconds the engine's Python event loop spends per MemGraph vertex it launches
+    # (compute, offload, reload, ...). Host and device run concurrently, so this is a resource of
+    # its own rather than part of an op's time: a run of tiny ops is bound by it, which op times
+    # alone never show. Measured on an H100 (bench/engine_overhead.py): about 15 us per vertex,
+    # against about 6 us for an eager PyTorch launch of the same kernel.
+    host_per_vertex: float = 15e-6
 
     def rate(self, dtype: Any) -> float:
         return self.flops.get(dtype_name(dtype), self.default_flops)
@@ -58,8 +65,9 @@ class DeviceSpec:
 
 H100 = DeviceSpec()
 # A rough CPU spec, only used when a user asks to plan for the host itself.
+# The CPU backend runs ops on worker threads, so its host time is already inside the op times.
 CPU = DeviceSpec(name="cpu (assumed)", flops={"float32": 1e12, "bfloat16": 1e12, "float64": 0.5e12},
-                 default_flops=0.5e12, mem_bw=100e9, h2d=20e9, d2h=20e9, launch=10e-6)
+                 default_flops=0.5e12, mem_bw=100e9, h2d=20e9, d2h=20e9, launch=10e-6, host_per_vertex=0.0)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -243,17 +251,24 @@ class CostModel:
     """Per-vertex time and workspace plus link bandwidths, measured (cached) or analytic.
 
     measure: None = measure when the target device is CUDA and present, else analytic.
+    host_per_vertex: host seconds the engine spends per launched MemGraph vertex; None = the
+    spec's figure on CUDA, 0 on the CPU backend (see host_per_vertex_on).
     """
 
     def __init__(self, device: str | None = None, spec: DeviceSpec | None = None, measure: bool | None = None,
-                 cache_dir: str | Path | None = None, runs: int = 7, warmup: int = 2):
+                 cache_dir: str | Path | None = None, runs: int = 7, warmup: int = 2,
+                 host_per_vertex: float | None = None):
         import torch
+
+        if host_per_vertex is not None and not (host_per_vertex >= 0 and math.isfinite(host_per_vertex)):
+            raise ValueError(f"host_per_vertex must be a finite number of seconds >= 0, not {host_per_vertex!r}")
 
         self.device = str(device) if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         is_cuda = self.device.startswith("cuda")
         self.measure = (is_cuda and torch.cuda.is_available()) if measure is None else measure
         self.spec = spec or H100
         self.runs, self.warmup = runs, warmup
+        self.host_override = None if host_per_vertex is None else float(host_per_vertex)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self._cache: CostCache | None = None
         self.measured = 0  # ops measured by this model (tests check the cache answers instead)
@@ -284,6 +299,20 @@ class CostModel:
             cache.bandwidth.update(measure.measure_bandwidth(self.device))
             cache.save()
         return cache.bandwidth[direction]
+
+    @property
+    def host_per_vertex(self) -> float:
+        """Host seconds per launched vertex when running on this model's own device."""
+        return self.host_per_vertex_on(self.device)
+
+    def host_per_vertex_on(self, device: str) -> float:
+        """Host seconds per launched MemGraph vertex for a graph that runs on `device` (the
+        engine backend decides, so planners pass the TaskGraph's device): the override when
+        given, else the spec's figure for CUDA, else 0 (the CPU backend's ops run on worker
+        threads, and their host time is already in the measured or estimated op times)."""
+        if self.host_override is not None:
+            return self.host_override
+        return self.spec.host_per_vertex if str(device).startswith("cuda") else 0.0
 
     def transfer_time(self, nbytes: int, direction: str) -> float:
         return nbytes / (self.h2d_bandwidth if direction == "h2d" else self.d2h_bandwidth)

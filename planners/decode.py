@@ -62,6 +62,7 @@ def to_plan(problem: Problem, decisions: Decisions, ev: Evaluation, planner: str
         "home_items": len(problem.items),
         "pinned_bytes": int(ev.cpu_bytes),
         "compute_seconds": float(problem.base_compute.sum()),
+        "host_per_vertex": problem.host_per_vertex,
         "unplanned_peak": int(tg.live_peak(alignment=problem.alignment)),
     })
     return Plan(gpu_budget=problem.gpu_budget,

@@ -30,8 +30,9 @@ def make_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, 
     costs.annotate(tg)
     model = {k: v for k, v in opts.items() if k in _MODEL_OPTS and v is not None}
     model.setdefault("alignment", 256 if tg.device == "cuda" else 64)
+    # the host cost is the engine's that will run the graph, so the graph's device picks it
     return build_problem(tg, int(gpu_budget), cpu_budget, bw_h2d=costs.h2d_bandwidth, bw_d2h=costs.d2h_bandwidth,
-                         **model)
+                         host_per_vertex=costs.host_per_vertex_on(tg.device), **model)
 
 
 def run_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",

@@ -6,7 +6,9 @@ memory for the longest (large and early), stream optimizer states, stream weight
 a last resort recompute what was offloaded. The shortest prefix of that list that fits is found
 by bisection, then moves that turn out unnecessary are undone, costliest first. Two other
 orders (recompute first, stream first) are tried the same way, for budgets where the first runs
-dry; the fastest plan wins. Everything is judged by memory.evaluate, the ILP's own cost model.
+dry; the fastest plan wins. Everything is judged by memory.evaluate, the ILP's own cost model
+(host launch time included); the ranking only estimates it, a recomputation's cost being the
+longer of its GPU time and the host's time to launch its chain.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
-from turnip.planners.memory import Decisions, Evaluation, evaluate, need_times, structural_problems
+from turnip.planners.memory import Decisions, Evaluation, evaluate, item_seconds, need_times, structural_problems
 from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Problem
 
 log = logging.getLogger(__name__)
@@ -35,17 +37,31 @@ def _apply(dec: Decisions, moves: list[Move]) -> Decisions:
 STRATEGIES = ("practical", "recompute_first", "stream_first")
 
 
+def recompute_seconds(problem: Problem, g) -> float:
+    """About what recomputing a group costs: the longer of its GPU time and the host's time to
+    launch its chain (a long chain of tiny ops is bound by the launches)."""
+    return max(g.rc_time, (len(g.chain) + 1) * problem.host_per_vertex)
+
+
+def offload_seconds(problem: Problem, g) -> float:
+    """About what offloading a group costs: the longer of its two transfers and the host's time
+    to launch an offload and a reload per saved value."""
+    xfer = g.nbytes / problem.bw_d2h + g.nbytes / problem.bw_h2d
+    return max(xfer, 2 * len(g.saved) * problem.host_per_vertex)
+
+
 def rank_moves(problem: Problem, strategy: str = "practical") -> list[Move]:
     """All moves, most attractive first, each valid given the ones before it.
 
     practical: cheap recomputation, offload, stream states, stream weights, costly recomputation;
     recompute_first / stream_first: alternatives for budgets where that order runs dry."""
     groups = problem.groups
-    xfer = [g.nbytes / problem.bw_d2h + g.nbytes / problem.bw_h2d for g in groups]
+    xfer = [offload_seconds(problem, g) for g in groups]
+    rc = [recompute_seconds(problem, g) for g in groups]
     can_r = [g.option(RECOMPUTE, g.n0) is not None for g in groups]
     can_o = [g.option(OFFLOAD, g.n0) is not None for g in groups]
-    cheap = sorted((gi for gi, g in enumerate(groups) if can_r[gi] and g.rc_time <= xfer[gi] and g.nbytes),
-                   key=lambda gi: groups[gi].rc_time / groups[gi].nbytes)
+    cheap = sorted((gi for gi, g in enumerate(groups) if can_r[gi] and rc[gi] <= xfer[gi] and g.nbytes),
+                   key=lambda gi: rc[gi] / groups[gi].nbytes)
     cheap_set = set(cheap)
     offload = sorted((gi for gi, g in enumerate(groups) if can_o[gi] and gi not in cheap_set),
                      key=lambda gi: (-groups[gi].nbytes * (groups[gi].n0 - groups[gi].pos), groups[gi].pos))
@@ -53,7 +69,7 @@ def rank_moves(problem: Problem, strategy: str = "practical") -> list[Move]:
     states = sorted((ii for ii, it in enumerate(items) if it.kind == "optimizer_state"), key=lambda i: -items[i].nbytes)
     weights = sorted((ii for ii, it in enumerate(items) if it.kind != "optimizer_state"), key=lambda i: -items[i].nbytes)
     late_r = sorted((gi for gi in range(len(groups)) if can_r[gi] and gi not in cheap_set),
-                    key=lambda gi: groups[gi].rc_time / max(1, groups[gi].nbytes))
+                    key=lambda gi: rc[gi] / max(1, groups[gi].nbytes))
     recompute = [("group", gi, RECOMPUTE) for gi in cheap]
     offloads = [("group", gi, OFFLOAD) for gi in offload]
     streams = [("item", ii, True) for ii in states + weights]
@@ -172,10 +188,9 @@ def _undo(problem: Problem, dec: Decisions, ev: Evaluation, moves: list[Move], b
     def cost(move: Move) -> float:
         what, i, val = move
         if what == "item":
-            it = problem.items[i]
-            return sum(it.h2d.values()) / problem.bw_h2d + sum(it.d2h.values()) / problem.bw_d2h
+            return item_seconds(problem, problem.items[i])
         g = problem.groups[i]
-        return g.rc_time if val == RECOMPUTE else g.nbytes / problem.bw_h2d + g.nbytes / problem.bw_d2h
+        return recompute_seconds(problem, g) if val == RECOMPUTE else offload_seconds(problem, g)
 
     for move in sorted(moves, key=cost, reverse=True)[:budget]:
         what, i, _ = move

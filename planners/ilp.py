@@ -3,7 +3,8 @@
 Variables
   x[g, o]  binary, group g takes option o (keep, or offload/recompute with a given need time)
   y[i]     binary, item i (a parameter, or one parameter's optimizer states) is homed on the CPU
-  T[k]     seconds of window k (>= its compute, >= its transfers in each direction)
+  T[k]     seconds of window k (>= its compute, >= its host launch time, >= its transfers in
+           each direction)
   M[j]     bytes the decisions add to memory over segment j of positions (a running sum, so
            every interval touches two rows instead of every position it covers)
 Constraints
@@ -12,8 +13,12 @@ Constraints
   a group's need time is exactly the earliest demand (so the ILP and memory.evaluate agree);
   a recomputation may not read a CPU-homed weight outside the windows it is streamed in.
 Objective
-  sum of T[k] (recompute time lands in the windows' compute), plus memory.TIE_BREAK times the
-  seconds of every transfer and recomputation, so equal-time plans prefer moving less.
+  sum of T[k] (recompute time lands in the windows' compute, launches in their host time), plus
+  memory.TIE_BREAK times the seconds of every transfer, recomputation and launch, so equal-time
+  plans prefer moving less.
+
+Each family of constraints is one function below (window times, host times, memory, pinned
+bytes, need times), called in that order by ``formulate``.
 
 The formulation is plain arrays (``Formulation``); ``solve`` hands it to PuLP (HiGHS via highspy
 when available, else CBC) with the greedy plan as a warm start; decode.py turns a solution
@@ -69,6 +74,16 @@ class Formulation:
         return sum(self.integer)
 
 
+@dataclass
+class WindowLoads:
+    """Per window: column -> amount the decision adds (seconds of compute or host time, bytes)."""
+
+    compute: list[dict[int, float]]
+    host: list[dict[int, float]]
+    h2d: list[dict[int, float]]
+    d2h: list[dict[int, float]]
+
+
 def _byte_unit(problem: Problem) -> float:
     """A power-of-two multiple of the alignment that keeps row values near 1e6 at most: every
     byte count is a multiple of the alignment, so half an alignment of slack absorbs the solver's
@@ -80,47 +95,86 @@ def _byte_unit(problem: Problem) -> float:
 
 def formulate(problem: Problem) -> Formulation:
     f = Formulation()
-    f.byte_unit = bu = _byte_unit(problem)
-    tu = f.time_unit
-    half = max(1, problem.alignment) / 2 / bu
-    groups, items = problem.groups, problem.items
+    f.byte_unit = _byte_unit(problem)
+    _decision_columns(problem, f)
+    loads = _window_loads(problem, f)
+    _window_time_rows(problem, f, loads)
+    _host_time_rows(problem, f, loads)
+    _memory_rows(problem, f)
+    _pinned_rows(problem, f)
+    _need_time_rows(problem, f)
+    log.info("ILP: %d columns (%d binary), %d rows, %d memory segments", len(f.names), f.n_binaries,
+             len(f.rows), len(f.M))
+    return f
 
-    for gi, g in enumerate(groups):
+
+def _decision_columns(problem: Problem, f: Formulation) -> None:
+    """x (one option per group) and y (home per item), each priced in the objective at
+    TIE_BREAK times the work it adds, hidden or not."""
+    for gi, g in enumerate(problem.groups):
         for oi, opt in enumerate(g.options):
             f.x[gi, oi] = f.col(f"x_{gi}_{oi}", 0, 1, True, TIE_BREAK * option_seconds(problem, opt) / f.time_unit)
         f.row(f"one_{gi}", {f.x[gi, oi]: 1.0 for oi in range(len(g.options))}, 1.0, 1.0)
-    for ii, item in enumerate(items):
+    for ii, item in enumerate(problem.items):
         f.y[ii] = f.col(f"y_{ii}", 0, 1, True, TIE_BREAK * item_seconds(problem, item) / f.time_unit)
 
-    # -- window times ---------------------------------------------------------------------------
-    comp = [defaultdict(float) for _ in range(problem.n_windows)]
-    up = [defaultdict(float) for _ in range(problem.n_windows)]
-    down = [defaultdict(float) for _ in range(problem.n_windows)]
-    for gi, g in enumerate(groups):
+
+def _window_loads(problem: Problem, f: Formulation) -> WindowLoads:
+    def per_window() -> list[dict[int, float]]:
+        return [defaultdict(float) for _ in range(problem.n_windows)]
+
+    loads = WindowLoads(per_window(), per_window(), per_window(), per_window())
+    for gi, g in enumerate(problem.groups):
         for oi, opt in enumerate(g.options):
             col = f.x[gi, oi]
             if opt.compute is not None:
-                comp[opt.compute[0]][col] += opt.compute[1]
+                loads.compute[opt.compute[0]][col] += opt.compute[1]
+            for k, t in opt.host:
+                loads.host[k][col] += t
             if opt.h2d is not None:
-                up[opt.h2d[0]][col] += opt.h2d[1]
+                loads.h2d[opt.h2d[0]][col] += opt.h2d[1]
             if opt.d2h is not None:
-                down[opt.d2h[0]][col] += opt.d2h[1]
-    for ii, item in enumerate(items):
+                loads.d2h[opt.d2h[0]][col] += opt.d2h[1]
+    for ii, item in enumerate(problem.items):
         for k, b in item.h2d.items():
-            up[k][f.y[ii]] += b
+            loads.h2d[k][f.y[ii]] += b
         for k, b in item.d2h.items():
-            down[k][f.y[ii]] += b
-    for k in range(problem.n_windows):
-        t = f.col(f"T_{k}", 0.0, None, False, 1.0)
-        f.T.append(t)
-        for what, terms, const, scale in (("compute", comp[k], problem.base_compute[k], 1.0),
-                                          ("h2d", up[k], problem.base_h2d[k], 1.0 / problem.bw_h2d),
-                                          ("d2h", down[k], problem.base_d2h[k], 1.0 / problem.bw_d2h)):
-            coefs = {c: -v * scale / tu for c, v in terms.items()}
-            coefs[t] = 1.0
-            f.row(f"T_{k}_{what}", coefs, float(const) * scale / tu, None)
+            loads.d2h[k][f.y[ii]] += b
+        for k, t in item.host.items():
+            loads.host[k][f.y[ii]] += t
+    return loads
 
-    # -- memory: running sum over segments between events ------------------------------------
+
+def _time_row(f: Formulation, k: int, what: str, terms: dict[int, float], const: float, scale: float) -> None:
+    """T[k] >= scale * (const + sum of terms), in the objective's time unit."""
+    coefs = {c: -v * scale / f.time_unit for c, v in terms.items()}
+    coefs[f.T[k]] = 1.0
+    f.row(f"T_{k}_{what}", coefs, float(const) * scale / f.time_unit, None)
+
+
+def _window_time_rows(problem: Problem, f: Formulation, loads: WindowLoads) -> None:
+    """T[k] at least the window's compute and its transfers in each direction."""
+    for k in range(problem.n_windows):
+        f.T.append(f.col(f"T_{k}", 0.0, None, False, 1.0))
+        _time_row(f, k, "compute", loads.compute[k], problem.base_compute[k], 1.0)
+        _time_row(f, k, "h2d", loads.h2d[k], problem.base_h2d[k], 1.0 / problem.bw_h2d)
+        _time_row(f, k, "d2h", loads.d2h[k], problem.base_d2h[k], 1.0 / problem.bw_d2h)
+
+
+def _host_time_rows(problem: Problem, f: Formulation, loads: WindowLoads) -> None:
+    """T[k] at least the host's time to launch the window's vertices (the step's own, plus the
+    recomputations, offloads, reloads, fetches and write-backs the decisions add there). A window
+    without launch costs gets no row: T[k] >= 0 already, and a zero host cost then leaves the
+    program exactly as it was without this family."""
+    for k in range(problem.n_windows):
+        if problem.base_host[k] > 0 or loads.host[k]:
+            _time_row(f, k, "host", loads.host[k], problem.base_host[k], 1.0)
+
+
+def _memory_rows(problem: Problem, f: Formulation) -> None:
+    """Running sum over segments between events, base + M[j] <= cap on every segment."""
+    bu = f.byte_unit
+    half = max(1, problem.alignment) / 2 / bu
     events: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
 
     def interval(first: int, last: int, b: float, col: int) -> None:
@@ -128,13 +182,13 @@ def formulate(problem: Problem) -> Formulation:
         if last + 1 < problem.n:
             events[last + 1][col] -= b / bu
 
-    for gi, g in enumerate(groups):
+    for gi, g in enumerate(problem.groups):
         for oi, opt in enumerate(g.options):
             for first, last, b in opt.intervals:
                 interval(first, last, b, f.x[gi, oi])
             if opt.extra:
                 interval(opt.at, opt.at, opt.extra, f.x[gi, oi])
-    for ii, item in enumerate(items):
+    for ii, item in enumerate(problem.items):
         for first, last, b in item.delta:
             interval(first, last, b, f.y[ii])
     starts = sorted(set(events) | {0})
@@ -156,16 +210,25 @@ def formulate(problem: Problem) -> Formulation:
         f.row(f"mem_{j}", {m: 1.0}, None, cap_rhs - base_max)
         prev = m
 
-    # -- pinned CPU bytes ------------------------------------------------------------------------
-    if math.isfinite(problem.cpu_cap):
-        coefs = {f.y[ii]: item.nbytes / bu for ii, item in enumerate(items)}
-        for gi, g in enumerate(groups):
-            for oi, opt in enumerate(g.options):
-                if opt.kind == OFFLOAD:
-                    coefs[f.x[gi, oi]] = g.nbytes / bu
-        f.row("cpu", coefs, None, problem.cpu_cap / bu + half)
 
-    # -- need-time chains --------------------------------------------------------------------------
+def _pinned_rows(problem: Problem, f: Formulation) -> None:
+    """Pinned CPU bytes (homes and offloaded values) within the CPU budget, when there is one."""
+    if not math.isfinite(problem.cpu_cap):
+        return
+    bu = f.byte_unit
+    half = max(1, problem.alignment) / 2 / bu
+    coefs = {f.y[ii]: item.nbytes / bu for ii, item in enumerate(problem.items)}
+    for gi, g in enumerate(problem.groups):
+        for oi, opt in enumerate(g.options):
+            if opt.kind == OFFLOAD:
+                coefs[f.x[gi, oi]] = g.nbytes / bu
+    f.row("cpu", coefs, None, problem.cpu_cap / bu + half)
+
+
+def _need_time_rows(problem: Problem, f: Formulation) -> None:
+    """Need-time chains: a recomputation finds what it reads present, and a group's need time is
+    exactly its earliest demand."""
+    groups, items = problem.groups, problem.items
     for hi, h in enumerate(groups):
         for oi, opt in enumerate(h.options):
             if opt.kind != RECOMPUTE:
@@ -191,9 +254,6 @@ def formulate(problem: Problem) -> Formulation:
                 if oi is not None:
                     coefs[f.x[hi, oi]] = -1.0
             f.row(f"exact_{gi}_{oj}", coefs, None, 0.0)
-    log.info("ILP: %d columns (%d binary), %d rows, %d memory segments", len(f.names), f.n_binaries,
-             len(f.rows), len(f.M))
-    return f
 
 
 def start_values(problem: Problem, f: Formulation, options: list[int], cpu: list[bool],

@@ -2,8 +2,9 @@
 
 This is the single definition of the cost model the planners optimize: the greedy calls it
 directly, the ILP encodes it linearly (ilp.py) and the tests brute-force it. A window takes the
-longest of its compute (recomputation included) and its transfers in each direction; the step
-takes the sum of its windows.
+longest of its compute (recomputation included), the host's time to launch its vertices (the
+engine's event loop runs beside the device, so it is a resource of its own) and its transfers in
+each direction; the step takes the sum of its windows.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Problem
 
-# Transfers and recomputation hidden under compute still use the link and the GPU: among plans
-# of equal step time, prefer the one that moves and recomputes least.
+# Transfers, recomputation and launches hidden under compute still use the link, the GPU and
+# the host: among plans of equal step time, prefer the one that moves and recomputes least.
 TIE_BREAK = 1e-3
 
 
@@ -42,6 +43,7 @@ class Evaluation:
     profile: np.ndarray
     window_time: np.ndarray
     compute: np.ndarray
+    host: np.ndarray  # host seconds of launches per window
     h2d: np.ndarray
     d2h: np.ndarray
     at: list[int]  # per group: position its backward copy is present from (-1: kept)
@@ -51,14 +53,23 @@ class Evaluation:
 
 
 def option_seconds(problem: Problem, opt) -> float:
-    """Seconds of link and recompute work an option adds, whether or not compute hides it."""
+    """Seconds of link, recompute and launch work an option adds, whether or not compute hides it."""
     t = opt.compute[1] if opt.compute is not None else 0.0
     t += opt.h2d[1] / problem.bw_h2d if opt.h2d is not None else 0.0
-    return t + (opt.d2h[1] / problem.bw_d2h if opt.d2h is not None else 0.0)
+    t += opt.d2h[1] / problem.bw_d2h if opt.d2h is not None else 0.0
+    return t + sum(s for _, s in opt.host)
 
 
 def item_seconds(problem: Problem, item) -> float:
-    return sum(item.h2d.values()) / problem.bw_h2d + sum(item.d2h.values()) / problem.bw_d2h
+    t = sum(item.h2d.values()) / problem.bw_h2d + sum(item.d2h.values()) / problem.bw_d2h
+    return t + sum(item.host.values())
+
+
+def window_times(compute: np.ndarray, host: np.ndarray, h2d: np.ndarray, d2h: np.ndarray,
+                 problem: Problem) -> np.ndarray:
+    """Seconds of each window: its busiest resource, since the GPU, the host and the link in each
+    direction all work at once."""
+    return np.maximum(np.maximum(compute, host), np.maximum(h2d / problem.bw_h2d, d2h / problem.bw_d2h))
 
 
 def need_times(problem: Problem, kinds: list[str]) -> list[int]:
@@ -97,15 +108,17 @@ def evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
     n = problem.n
     diff = np.zeros(n + 1, dtype=np.int64)
     compute = problem.base_compute.copy()
+    host = problem.base_host.copy()
     h2d = problem.base_h2d.copy()
     d2h = problem.base_d2h.copy()
     at = need_times(problem, decisions.groups)
     reasons = structural_problems(problem, decisions, at)
     cpu_bytes = 0.0
-    moved = 0.0  # seconds of transfers and recomputation, hidden or not
+    moved = 0.0  # seconds of transfers, recomputation and launches, hidden or not
     options = []
     mix = {"bytes_kept": 0, "bytes_offloaded": 0, "bytes_recomputed": 0, "bytes_weights_streamed": 0,
-           "bytes_states_streamed": 0, "recompute_seconds": 0.0}
+           "bytes_states_streamed": 0, "recompute_seconds": 0.0, "host_seconds": 0.0,
+           "host_seconds_added": 0.0}
     for gi, g in enumerate(problem.groups):
         oi = g.option(decisions.groups[gi], at[gi])
         options.append(-1 if oi is None else oi)
@@ -121,6 +134,9 @@ def evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
         if opt.compute is not None:
             compute[opt.compute[0]] += opt.compute[1]
             mix["recompute_seconds"] += opt.compute[1]
+        for k, t in opt.host:
+            host[k] += t
+            mix["host_seconds_added"] += t
         moved += option_seconds(problem, opt)
         if opt.h2d is not None:
             h2d[opt.h2d[0]] += opt.h2d[1]
@@ -139,6 +155,9 @@ def evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
             h2d[k] += b
         for k, b in item.d2h.items():
             d2h[k] += b
+        for k, t in item.host.items():
+            host[k] += t
+            mix["host_seconds_added"] += t
         moved += item_seconds(problem, item)
         cpu_bytes += item.nbytes
         key = "bytes_states_streamed" if item.kind == "optimizer_state" else "bytes_weights_streamed"
@@ -146,7 +165,8 @@ def evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
     profile = problem.base + np.cumsum(diff[:n])
     peak_pos = int(np.argmax(profile)) if n else 0
     peak = int(profile[peak_pos]) if n else 0
-    window_time = np.maximum(compute, np.maximum(h2d / problem.bw_h2d, d2h / problem.bw_d2h))
+    window_time = window_times(compute, host, h2d, d2h, problem)
+    mix["host_seconds"] = float(host.sum())  # the step's launches, the decisions' share included
     if peak > problem.cap:
         reasons.append(f"peak {peak} bytes at position {peak_pos} exceeds the {problem.cap}-byte cap")
     if cpu_bytes > problem.cpu_cap:
@@ -155,4 +175,4 @@ def evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
     return Evaluation(feasible=not reasons, reason="; ".join(reasons[:3]), time=total,
                       objective=total + TIE_BREAK * moved,
                       peak=peak, peak_pos=peak_pos, profile=profile, window_time=window_time, compute=compute,
-                      h2d=h2d, d2h=d2h, at=at, options=options, cpu_bytes=cpu_bytes, mix=mix)
+                      host=host, h2d=h2d, d2h=d2h, at=at, options=options, cpu_bytes=cpu_bytes, mix=mix)

@@ -21,6 +21,13 @@ simulates it (a value occupies the arena from production or reload to its last u
 are runs of positions whose transfers overlap their compute, and they price time only: a
 transfer lands in the window of production (offload, write-back) or the one before its use
 (reload, fetch). Sizes are rounded up to the builder's alignment.
+
+Host time is the third resource of a window, beside the GPU and the link: the engine's event
+loop spends `host_per_vertex` seconds on every MemGraph vertex it launches, concurrently with
+the device. Every TaskGraph vertex, batch input and step output is one launch (base_host); a
+decision adds the launches of its own vertices (one per recomputed vertex, an offload and a
+reload per saved value, a fetch per streamed run and a write-back per updated home) in the
+windows where they run.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class Option:
     h2d: tuple[int, int] | None = None  # (window, bytes) reloaded
     d2h: tuple[int, int] | None = None  # (window, bytes) offloaded
     extra: int = 0  # bytes of the recompute chain's temporaries, at position `at`
+    host: tuple[tuple[int, float], ...] = ()  # (window, host seconds) of the vertices it launches
 
 
 @dataclass
@@ -78,6 +86,7 @@ class Item:
     h2d: dict[int, int]  # window -> bytes fetched when homed on the CPU
     d2h: dict[int, int]  # window -> bytes written back when homed on the CPU
     present: dict[int, list[tuple[int, int]]]  # value -> positions it is on the GPU when homed on the CPU
+    host: dict[int, float] = field(default_factory=dict)  # window -> host seconds of its fetches and write-backs
 
     def covers(self, value: int, position: int) -> bool:
         return any(first <= position <= last for first, last in self.present[value])
@@ -96,6 +105,7 @@ class Problem:
     base_compute: np.ndarray  # seconds per window
     base_h2d: np.ndarray
     base_d2h: np.ndarray
+    base_host: np.ndarray  # host seconds per window of the launches every plan makes
     groups: list[Group]
     items: list[Item]
     item_of: dict[int, int]  # persistent value -> item
@@ -108,6 +118,7 @@ class Problem:
     alignment: int
     gpu_budget: int
     headroom: float
+    host_per_vertex: float = 0.0  # host seconds per launched MemGraph vertex (costs.CostModel)
 
     @property
     def latest_first(self) -> list[int]:

@@ -3,7 +3,8 @@
 Reads the graph once: who reads what at which position, which forward values the backward
 pass needs (groups), what a recomputation would have to re-run (chains) and which other groups
 it leans on, the possible need times of every group (candidates, bounded in depth so deep
-recompute chains stay out of the space), and the memory/transfer profile of every home.
+recompute chains stay out of the space), the memory/transfer profile of every home, and the
+host seconds of every launch the step and each decision add (host_per_vertex per vertex).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections import Counter
 
 import numpy as np
 from turnip.ir.taskgraph import TaskGraph, ValueKind
@@ -29,7 +31,7 @@ def default_windows(n: int) -> int:
 def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, *, bw_h2d: float,
                   bw_d2h: float, headroom: float = 0.92, alignment: int = 256, windows: int | None = None,
                   depth: int = 3, max_candidates: int = 6, max_chain: int = 8, max_items: int = 512,
-                  order: list[int] | None = None) -> Problem:
+                  order: list[int] | None = None, host_per_vertex: float = 0.0) -> Problem:
     order = list(order) if order is not None else step_order(tg)
     n = len(order)
     pos = np.full(len(tg.vertices), -1, dtype=np.int64)
@@ -178,17 +180,22 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
         extra = sum(size(o) for c in g.chain for o in tg.vertices[c].outputs if o >= 0) + \
             sum(size(o) for o in tg.vertices[g.vertex].outputs if o >= 0 and o not in g.saved)
         g.options.append(Option(KEEP, -1, [(g.pos, last, b) for _, last, b in spans]))
+        n_saved, n_rc = len(g.saved), len(g.chain) + 1
         for c in g.candidates:
             wc = int(window_of[c])
+            wr = max(wc - 1, wp)
             # Memory follows BuildMemGraph's serial accounting: an offloaded value leaves the
             # arena after its last use before the gap and is reloaded at the use after it, just
             # like a recomputed one; the transfers themselves cost time in the windows of
             # production and of the use (prefetched one window ahead).
             ivs = [iv for hold, last, b in spans for iv in _union(g.pos, hold, c, last, b)]
             if all(_gap_is_largest(g.pos, readers[o], saved_info[o][0], c) for o in g.saved):
-                g.options.append(Option(OFFLOAD, c, ivs, h2d=(max(wc - 1, wp), g.nbytes), d2h=(wp, g.nbytes)))
+                # one offload vertex per saved value after production, one reload before the use
+                g.options.append(Option(OFFLOAD, c, ivs, h2d=(wr, g.nbytes), d2h=(wp, g.nbytes),
+                                        host=launches(host_per_vertex, (wp, n_saved), (wr, n_saved))))
             if any(c == cc for cc, _ in rc_valid[gi]):
-                g.options.append(Option(RECOMPUTE, c, ivs, compute=(wc, g.rc_time), extra=extra))
+                g.options.append(Option(RECOMPUTE, c, ivs, compute=(wc, g.rc_time), extra=extra,
+                                        host=launches(host_per_vertex, (wc, n_rc))))
         g.index = {(o.kind, o.at): i for i, o in enumerate(g.options)}
 
     # -- fixed memory ------------------------------------------------------------------------------
@@ -221,24 +228,49 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
             end = n - 1 if vid in step_outputs else max(prod, last_use(vid))
             add(prod, end, size(vid))
 
-    items = _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, size, add, max_items)
+    items = _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, size, add, max_items,
+                   host_per_vertex)
     item_of = {v: i for i, item in enumerate(items) for v in item.values}
     base = np.cumsum(diff[:n])
 
     base_compute = np.zeros(len(win_start), dtype=np.float64)
     np.add.at(base_compute, window_of, times)
+    base_host = _base_host(tg, pos, window_of, len(win_start), readers, host_per_vertex)
     max_ws = max((-(-tg.vertices[v].workspace // alignment) * alignment for v in order), default=0)
     cap = math.floor(headroom * (gpu_budget - max_ws))
     problem = Problem(tg=tg, order=order, pos=pos, times=times, win_start=win_start, win_end=win_end,
                       window_of=window_of, base=base, base_compute=base_compute, base_h2d=base_h2d,
-                      base_d2h=np.zeros(len(win_start)), groups=groups, items=items, item_of=item_of,
-                      required_by=required_by, cap=cap,
+                      base_d2h=np.zeros(len(win_start)), base_host=base_host, groups=groups, items=items,
+                      item_of=item_of, required_by=required_by, cap=cap,
                       cpu_cap=float("inf") if cpu_budget is None else float(cpu_budget),
                       bw_h2d=float(bw_h2d), bw_d2h=float(bw_d2h), max_workspace=max_ws, alignment=alignment,
-                      gpu_budget=int(gpu_budget), headroom=headroom)
+                      gpu_budget=int(gpu_budget), headroom=headroom, host_per_vertex=float(host_per_vertex))
     log.info("problem: %d positions, %d windows, %d groups (%d options), %d home items, cap %d bytes",
              n, len(win_start), len(groups), sum(len(g.options) for g in groups), len(items), cap)
     return problem
+
+
+def launches(host_per_vertex: float, *counts: tuple[int, int]) -> tuple[tuple[int, float], ...]:
+    """(window, host seconds) of launching `count` vertices in each (window, count); nothing when
+    launches cost the host nothing, so a zero host cost leaves every option as it was."""
+    if host_per_vertex <= 0:
+        return ()
+    return tuple((k, count * host_per_vertex) for k, count in counts if count)
+
+
+def _base_host(tg: TaskGraph, pos: np.ndarray, window_of: np.ndarray, n_windows: int, readers: list[list[int]],
+               host_per_vertex: float) -> np.ndarray:
+    """Host seconds per window of the launches every plan makes: one compute vertex per position,
+    a copy-in per batch input read (in the first window, where their bytes are counted) and a
+    read-back per step output (the builder runs it right after the producer)."""
+    counts = np.bincount(window_of, minlength=n_windows).astype(np.float64)
+    if len(window_of):
+        counts[0] += sum(1 for v in tg.values if v.kind is ValueKind.BATCH and readers[v.id])
+        for vid in tg.outputs.values():
+            prod = tg.values[vid].producer
+            if prod >= 0:
+                counts[window_of[pos[prod]]] += 1
+    return counts * host_per_vertex
 
 
 def _gap_is_largest(prod: int, reads: list[int], hold: int, c: int) -> bool:
@@ -270,7 +302,8 @@ def _item_key(tg: TaskGraph, vid: int, level: int) -> str:
     return f"{prefix}:{path}"
 
 
-def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, size, add, max_items) -> list[Item]:
+def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, size, add, max_items,
+           host_per_vertex) -> list[Item]:
     inverse = {src: dst for dst, src in targets.items()}
     level, keys = 0, None
     while True:
@@ -284,6 +317,7 @@ def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, s
     items = []
     for key, values in by_key.items():
         delta, h2d, d2h, need = [], {}, {}, {}
+        fetches, writes = [], []  # windows of the item's fetch and write-back vertices
         nbytes = 0
         for w in values:
             b = size(w)
@@ -302,6 +336,7 @@ def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, s
                 spans.append((int(inside[0]), int(inside[-1])))
                 delta.append((int(inside[0]), int(inside[-1]), b))
                 h2d[first] = h2d.get(first, 0) + b
+                fetches.append(first)
             need[w] = spans
             u = inverse.get(w)
             if u is None:
@@ -316,8 +351,10 @@ def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, s
             delta.append((p_u, gpu_end, -bu))
             delta.append((p_u, cpu_end, bu))
             d2h[int(window_of[p_u])] = d2h.get(int(window_of[p_u]), 0) + bu
+            writes.append(int(window_of[p_u]))
+        host = dict(launches(host_per_vertex, *Counter(fetches + writes).items()))
         items.append(Item(name=key, kind=tg.values[values[0]].kind.value, values=values, nbytes=nbytes,
-                          delta=delta, h2d=h2d, d2h=d2h, present=need))
+                          delta=delta, h2d=h2d, d2h=d2h, present=need, host=host))
     return items
 
 

@@ -170,6 +170,37 @@ def test_default_costs_follow_the_device(gpt_step):
     assert model.measure == (gpt_step.device == "cuda" and torch.cuda.is_available())
 
 
+def test_host_cost_per_launch_follows_the_backend():
+    """15 us per launched vertex on CUDA (the engine's measured event-loop cost), nothing on the
+    CPU backend (its host time is inside the op times), and an explicit figure wins everywhere."""
+    assert H100.host_per_vertex == 15e-6 and costs_mod.CPU.host_per_vertex == 0.0
+    model = CostModel(device="cuda", measure=False)
+    assert model.host_per_vertex == 15e-6
+    assert model.host_per_vertex_on("cuda:1") == 15e-6 and model.host_per_vertex_on("cpu") == 0.0
+    assert CostModel(device="cpu").host_per_vertex == 0.0
+    assert CostModel(device="cuda", measure=False, spec=DeviceSpec(host_per_vertex=4e-6)).host_per_vertex == 4e-6
+    override = CostModel(device="cpu", host_per_vertex=2e-5)
+    assert override.host_per_vertex_on("cpu") == override.host_per_vertex_on("cuda") == 2e-5
+    assert CostModel(device="cuda", measure=False, host_per_vertex=0.0).host_per_vertex == 0.0
+    for bad in (-1e-6, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            CostModel(host_per_vertex=bad)
+
+
+def test_planner_prices_launches_for_the_graphs_device():
+    from turnip.planners.driver import make_problem
+
+    tg = _mm_graph(64, 64, 64)
+    cuda = tg.copy()
+    cuda.device = "cuda"
+    analytic = CostModel(device="cpu", measure=False)
+    assert make_problem(tg, 1 << 30, costs=analytic).host_per_vertex == 0.0
+    problem = make_problem(cuda, 1 << 30, costs=analytic)  # the engine that runs the graph decides
+    assert problem.host_per_vertex == 15e-6
+    # two vertices, the batch input's copy-in and the loss's read-back
+    assert problem.base_host.sum() == pytest.approx(4 * 15e-6)
+
+
 @cuda
 def test_measures_on_cuda(tmp_path):
     tg = _mm_graph(1024, 1024, 1024)

@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from synthetic import random_taskgraph
@@ -126,18 +127,20 @@ def ilp_optimum(problem, warm: bool = True):
     return evaluate(problem, dec), result, f
 
 
-def small_problems():
+def small_problems(hosts: tuple[float, ...] = (), seeds: int = 80, prefix: str = ""):
     """(name, problem) pairs small enough to enumerate, with caps spread between the least memory
-    the planners can reach and what keeping everything takes, so every kind of choice binds."""
+    the planners can reach and what keeping everything takes, so every kind of choice binds.
+    hosts: host seconds per launched vertex to draw from (none: the CPU backend's, zero)."""
     out = []
-    for seed in range(80):
+    for seed in range(seeds):
         rng = random.Random(seed)
         if seed % 3:
             tg = tiny_step(rng, layers=rng.randint(2, 4), states=rng.random() < 0.4)
         else:
             tg = synthetic_step(seed, n=rng.randint(10, 16))
         link = DeviceSpec(h2d=rng.choice([2e6, 2e7, 2e8]), d2h=rng.choice([2e6, 2e7, 2e8]))
-        kw = {"costs": CostModel(spec=link), "alignment": 64, "windows": rng.choice([2, 3, 5]), "headroom": 1.0}
+        costs = CostModel(spec=link, host_per_vertex=rng.choice(hosts)) if hosts else CostModel(spec=link)
+        kw = {"costs": costs, "alignment": 64, "windows": rng.choice([2, 3, 5]), "headroom": 1.0}
         probe = make_problem(tg, 1 << 40, **kw)
         if 3 ** len(probe.groups) * 2 ** len(probe.items) > 6000 or not probe.groups:
             continue
@@ -145,11 +148,13 @@ def small_problems():
         least = greedy(make_problem(tg, builder_floor(probe), **kw))[1].peak
         frac = rng.choice([0.0, 0.2, 0.5, 0.8])
         budget = int(least + frac * max(0, most - least)) + probe.max_workspace
-        out.append((f"seed{seed}-{frac}", make_problem(tg, max(budget, builder_floor(probe)), **kw)))
+        out.append((f"{prefix}seed{seed}-{frac}", make_problem(tg, max(budget, builder_floor(probe)), **kw)))
     return out
 
 
 SMALL = small_problems()
+# the same kind of problems with launches costing the host from about an op's time to far more
+SMALL_HOST = small_problems(hosts=(2e-5, 2e-4, 1e-3), seeds=40, prefix="host-")
 
 
 def test_enough_small_problems():
@@ -160,6 +165,21 @@ def test_enough_small_problems():
     chosen = {k for o in optima if o is not None for k in o[1].groups}
     assert chosen == {KEEP, OFFLOAD, RECOMPUTE}  # every kind of decision is optimal somewhere
     assert any(any(o[1].cpu) for o in optima if o is not None)
+
+
+def test_enough_small_host_problems():
+    """The host-cost problems exercise the host rows: some optima are bound by launches, and
+    some pay for launches their decisions add."""
+    assert len(SMALL_HOST) >= 15
+    assert all(p.host_per_vertex > 0 and p.base_host.all() for _, p in SMALL_HOST)
+    optima = [(p, brute_force(p)) for _, p in SMALL_HOST]
+    evs = [evaluate(p, o[1]) for p, o in optima if o is not None]
+    assert len(evs) >= 0.8 * len(SMALL_HOST)
+    host_bound = [ev for ev in evs if np.any(ev.window_time == ev.host) and np.any(ev.host > ev.compute)]
+    assert len(host_bound) >= 0.25 * len(evs)
+    assert any(ev.mix["host_seconds_added"] > 0 for ev in host_bound)
+    chosen = {k for _, o in optima if o is not None for k in o[1].groups}
+    assert {OFFLOAD, RECOMPUTE} <= chosen
 
 
 @pytest.mark.parametrize("name,problem", SMALL, ids=[n for n, _ in SMALL])
@@ -173,6 +193,30 @@ def test_ilp_matches_brute_force(name, problem):
     assert got.objective == pytest.approx(want[0], rel=1e-7, abs=1e-12)
     # the solver's objective is the evaluator's (in milliseconds)
     assert result.objective * f.time_unit == pytest.approx(got.objective, rel=1e-6, abs=1e-12)
+
+
+# HiGHS stops once the incumbent is within this much of its bound (its default mip_abs_gap, in the
+# objective's unit, Formulation.time_unit): host costs make many plans equal in time, and their
+# tie-breaks can differ by less than that
+HIGHS_ABS_GAP = 1e-6
+
+
+@pytest.mark.parametrize("name,problem", SMALL_HOST, ids=[n for n, _ in SMALL_HOST])
+def test_ilp_matches_brute_force_with_host_cost(name, problem):
+    """The ILP's host rows encode evaluate's host time: same optimum as the brute force (to the
+    solver's absolute gap), and the solver's objective is exactly evaluate's for its solution."""
+    want = brute_force(problem)
+    got, result, f = ilp_optimum(problem, warm=(hash(name) % 2 == 0))
+    if want is None:
+        assert got is None or not got.feasible, f"{name}: ILP found a plan the brute force says cannot exist"
+        return
+    assert got is not None and got.feasible, f"{name}: ILP found no plan ({result.status}); brute force {want[0]}"
+    assert got.objective >= want[0] * (1 - 1e-9)
+    assert got.objective == pytest.approx(want[0], rel=1e-7, abs=HIGHS_ABS_GAP * f.time_unit)
+    assert result.objective * f.time_unit == pytest.approx(got.objective, rel=1e-6, abs=1e-12)
+    # the window times the solver settled on are evaluate's, host-bound windows included
+    solved = np.array([result.values[t] for t in f.T]) * f.time_unit
+    assert solved == pytest.approx(got.window_time, rel=1e-6, abs=1e-12)
 
 
 def test_need_times_follow_recompute_chains():
@@ -219,6 +263,162 @@ def test_ilp_never_worse_than_greedy(index, frac):
     plan = planners.plan(tg, budget, costs=costs, alignment=64, time_limit=20)
     if g_ev.feasible:
         assert plan.stats["objective"] <= g_ev.objective * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("index", range(12))
+def test_ilp_never_worse_than_greedy_with_host_cost(index):
+    """The same with the measured CUDA launch cost: greedy judges moves by evaluate, which now
+    counts launches, and the ILP's host rows must price them the same way."""
+    _, tg = suite()[index]
+    costs = CostModel(spec=SLOW_LINK if index % 3 else DeviceSpec(), host_per_vertex=15e-6)
+    problem = make_problem(tg, int(0.5 * tg.live_peak(alignment=64)), costs=costs, alignment=64)
+    problem = make_problem(tg, max(problem.gpu_budget, builder_floor(problem)), costs=costs, alignment=64)
+    _, g_ev, _ = greedy(problem)
+    got, result, f = ilp_optimum(problem)
+    if g_ev.feasible:
+        assert got is not None and got.feasible
+        assert got.objective <= g_ev.objective * (1 + 1e-9)
+    if got is not None:
+        assert result.objective * f.time_unit == pytest.approx(got.objective, rel=1e-6, abs=1e-12)
+
+
+# -- host launch time ------------------------------------------------------------------------------
+
+FAST_LINK = DeviceSpec(name="fast link", h2d=1e15, d2h=1e15)
+
+
+def chain_step(chain: int = 7, filler: int = 4, big: int = 1 << 16, t: float = 1e-6) -> tuple[TaskGraph, int]:
+    """x -> `chain` tiny ops -> one op whose `big` output the backward pass reads at the very end,
+    with `filler` big forward ops between. Recomputing that output re-runs the chain (chain + 1
+    launches); offloading it moves one value (an offload and a reload). Returns (graph, value)."""
+    tg = TaskGraph()
+
+    def op(ins, nbytes, phase):
+        out = tg.add_value((nbytes // 4,), (1,), "float32", nbytes)
+        tg.add_vertex("synthetic", tuple(tg.values[x].dense_ref for x in ins), outputs=(out,), phase=phase, time=t)
+        return out
+
+    h = tg.add_value((16,), (1,), "float32", 64, ValueKind.BATCH, name="batch:0")
+    for _ in range(chain):
+        h = op([h], 64, "forward")
+    saved = h = op([h], big, "forward")
+    for _ in range(filler):
+        h = op([h], big, "forward")
+    tg.outputs["loss"] = op([h], 4, "forward")
+    g = op([tg.outputs["loss"]], 64, "backward")
+    for _ in range(filler):
+        g = op([g], 64, "backward")
+    op([g, saved], 64, "backward")
+    tg.validate()
+    return tg, saved
+
+
+def test_host_time_counts_every_launch():
+    """With launches far slower than the ops and the link, every window is bound by its host time:
+    the step costs one launch per vertex, batch input and output, and each decision adds exactly
+    its own launches (recompute: the chain and the vertex; offload: an offload and a reload per
+    saved value; a CPU home: a fetch per streamed run and a write-back per updated value)."""
+    host = 1.0
+    graphs = [chain_step()[0]] + [tiny_step(random.Random(seed), layers=4) for seed in range(6)]
+    checked = {OFFLOAD: 0, RECOMPUTE: 0, "item": 0}
+    for tg in graphs:
+        problem = make_problem(tg, 1 << 40, costs=CostModel(spec=FAST_LINK, host_per_vertex=host), alignment=64,
+                               windows=3)
+        keep = Decisions.keep_all(problem)
+        base = evaluate(problem, keep)
+        launches = len(tg.vertices) + 1 + len(tg.outputs)  # one batch input
+        assert base.time == pytest.approx(host * launches, rel=1e-12)
+        assert base.mix["host_seconds"] == pytest.approx(base.time, rel=1e-12)
+        for gi, g in enumerate(problem.groups):
+            added = {OFFLOAD: 2 * len(g.saved), RECOMPUTE: len(g.chain) + 1}
+            for kind in (OFFLOAD, RECOMPUTE):
+                if g.option(kind, g.n0) is None:
+                    continue
+                dec = Decisions(keep.groups[:gi] + [kind] + keep.groups[gi + 1:], keep.cpu)
+                ev = evaluate(problem, dec)
+                assert ev.time - base.time == pytest.approx(host * added[kind], rel=1e-9)
+                assert ev.mix["host_seconds_added"] == pytest.approx(host * added[kind], rel=1e-12)
+                checked[kind] += 1
+        for ii, item in enumerate(problem.items):
+            dec = Decisions(keep.groups, [i == ii for i in range(len(problem.items))])
+            runs = sum(len(item.present[w]) for w in item.values)
+            write_backs = sum(1 for w in item.values if w in tg.bindings)
+            assert evaluate(problem, dec).time - base.time == pytest.approx(host * (runs + write_backs), rel=1e-9)
+            checked["item"] += 1
+    assert min(checked.values()) >= 5
+
+
+def test_large_host_cost_prefers_offload_to_a_long_recompute_chain():
+    """Recomputing eight tiny ops beats moving 64 KiB when launches are free; when each launch
+    costs the host 100 us, the two launches of an offload beat the eight of the recomputation,
+    and the recompute plan's predicted time grows by exactly those eight launches."""
+    tg, saved = chain_step()
+    link = DeviceSpec(name="1 GB/s", h2d=1e9, d2h=1e9)
+    budget = int(2.5 * tg.values[saved].nbytes)
+    host = 1e-4
+    plans = {}
+    for h in (0.0, host):
+        for method in ("ilp", "greedy"):
+            plans[h, method] = planners.plan(tg, budget, costs=CostModel(spec=link, host_per_vertex=h),
+                                             method=method, alignment=64, headroom=1.0, time_limit=10)
+    for method in ("ilp", "greedy"):
+        free, costly = plans[0.0, method], plans[host, method]
+        assert free.stats["fits_model"] and costly.stats["fits_model"]
+        assert len(free.recompute) == 8 and not free.offload
+        assert costly.offload == {saved} and not costly.recompute
+        assert free.stats["host_seconds"] == 0.0
+        # predicted time includes every launch: the step's 19 vertices, its input and output, and
+        # the offload and the reload
+        assert costly.predicted_time == pytest.approx(host * (len(tg.vertices) + 2 + 2), rel=1e-9)
+        assert costly.stats["host_seconds"] == pytest.approx(costly.predicted_time, rel=1e-9)
+        assert costly.stats["host_seconds_added"] == pytest.approx(2 * host, rel=1e-9)
+        assert costly.stats["host_per_vertex"] == host
+    problem = make_problem(tg, budget, costs=CostModel(spec=link, host_per_vertex=host), alignment=64, headroom=1.0)
+    keep, rc, off = (evaluate(problem, Decisions([k], [])) for k in (KEEP, RECOMPUTE, OFFLOAD))
+    assert not keep.feasible and rc.feasible and off.feasible
+    assert rc.time - keep.time == pytest.approx(8 * host, rel=1e-9)
+    assert off.objective < rc.objective
+
+
+def test_zero_host_cost_leaves_the_model_as_it_was():
+    """Without a launch cost (the CPU backend's default) the problem, the ILP and the evaluation
+    are the ones without the host resource: no host terms, no host rows, window time the longest
+    of compute and transfers, and the objective's tie-break counts transfers and recomputation."""
+    rng = random.Random(5)
+    for name, problem in SMALL:
+        assert problem.host_per_vertex == 0.0 and not problem.base_host.any(), name
+        assert all(opt.host == () for g in problem.groups for opt in g.options)
+        assert all(item.host == {} for item in problem.items)
+        assert not [r for r in formulate(problem).row_names if r.endswith("_host")]
+        for _ in range(5):
+            kinds = [rng.choice((KEEP, OFFLOAD, RECOMPUTE)) for _ in problem.groups]
+            ev = evaluate(problem, Decisions(kinds, [rng.random() < 0.5 for _ in problem.items]))
+            want = np.maximum(ev.compute, np.maximum(ev.h2d / problem.bw_h2d, ev.d2h / problem.bw_d2h))
+            assert np.array_equal(ev.window_time, want) and ev.time == float(want.sum())
+            moved = ev.mix["recompute_seconds"] + float(ev.h2d.sum() - problem.base_h2d.sum()) / problem.bw_h2d + \
+                float(ev.d2h.sum() - problem.base_d2h.sum()) / problem.bw_d2h
+            assert ev.objective == pytest.approx(ev.time + TIE_BREAK * moved, rel=1e-9, abs=1e-15)
+            assert ev.mix["host_seconds"] == 0.0 and ev.mix["host_seconds_added"] == 0.0
+
+
+def test_cuda_graphs_pay_the_launch_cost_unless_told_otherwise():
+    """A graph traced for CUDA is planned with the measured 15 us per launch by default; an
+    explicit zero gives exactly the CPU backend's plan."""
+    tg, saved = chain_step()
+    cuda = tg.copy()
+    cuda.device = "cuda"
+    link = DeviceSpec(name="1 GB/s", h2d=1e9, d2h=1e9)
+    budget = int(2.5 * tg.values[saved].nbytes)
+    kw = {"alignment": 64, "headroom": 1.0, "time_limit": 10}
+    cpu_plan = planners.plan(tg, budget, costs=CostModel(spec=link), **kw)
+    zero = planners.plan(cuda, budget, costs=CostModel(spec=link, host_per_vertex=0.0), **kw)
+    paid = planners.plan(cuda, budget, costs=CostModel(spec=link), **kw)
+    assert cpu_plan.stats["host_per_vertex"] == zero.stats["host_per_vertex"] == 0.0
+    assert (zero.recompute, zero.offload, zero.home, zero.predicted_time, zero.stats["objective"]) == \
+        (cpu_plan.recompute, cpu_plan.offload, cpu_plan.home, cpu_plan.predicted_time, cpu_plan.stats["objective"])
+    assert paid.stats["host_per_vertex"] == 15e-6
+    assert paid.stats["host_seconds"] >= 15e-6 * len(tg.vertices)
+    assert paid.predicted_time > cpu_plan.predicted_time
 
 
 # -- plans on real graphs ------------------------------------------------------------------------
@@ -372,9 +572,9 @@ def test_ilp_without_a_solution_falls_back_to_greedy(small_gpt, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:PULP_CBC_CMD is deprecated")
-@pytest.mark.parametrize("name", [n for n, _ in SMALL[:6]])
+@pytest.mark.parametrize("name", [n for n, _ in SMALL[:6] + SMALL_HOST[:3]])
 def test_cbc_agrees_with_highs(name):
-    problem = dict(SMALL)[name]
+    problem = dict(SMALL + SMALL_HOST)[name]
     f = formulate(problem)
     try:
         cbc = solve(f, None, time_limit=20, gap=1e-9, solver="cbc")
