@@ -10,7 +10,9 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "running pip as the 'root'" || true
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-echo "== correctness on CUDA"
-python3 -m pytest -q -x tests/test_cuda.py tests/test_costs.py -k "cuda or Cuda" 2>&1 | tail -15 | tee "$OUT/tests.txt"
+echo "== correctness on CUDA (full log in $OUT/tests.txt)"
+python3 -m pytest -q -p no:logging tests/test_cuda.py > "$OUT/tests.txt" 2>&1 || true
+python3 -m pytest -q -p no:logging tests/test_costs.py -k cuda >> "$OUT/tests.txt" 2>&1 || true
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -30
 echo "== suite"
 python3 -m turnip.bench suite --out "$OUT" --no-plots "$@" 2>&1 | tee "$OUT/suite.log" | grep -v "^INFO" | tail -40
