@@ -58,6 +58,12 @@ def breakdown(mg, trace_file: Path) -> dict:
             "ms_by_phase": dict(by_phase), "top_ops_ms": dict(by_op.most_common(25))}
 
 
+def top_workspace(mg, count: int = 10) -> list[dict]:
+    """The ops that need the most memory beside the arena while they run (the unplanned peak adds the largest)."""
+    heavy = sorted((v for v in mg.taskgraph.vertices if v.workspace), key=lambda v: -v.workspace)[:count]
+    return [{"op": v.op, "module": v.module, "phase": v.phase, "workspace": v.workspace} for v in heavy]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt350m", help="gpt350m, gpt1.3b, lora1.3b or llama")
@@ -79,7 +85,8 @@ def main(argv=None) -> int:
     engine.run(mg, batch, trace=trace_file)
     result = {"benchmark": "profile_step", **run_metadata(), "model": args.model, "budget": args.budget,
               "turnip_step_ms": [t * 1e3 for t in turnip_s], "summary": mg.summary(),
-              "breakdown": breakdown(mg, trace_file)}
+              "unplanned_peak": mg.stats.get("unplanned_peak"), "arena_bytes": mg.arena_bytes,
+              "top_workspace": top_workspace(mg), "breakdown": breakdown(mg, trace_file)}
     mg.release()
     trace_file.unlink()
     model = workload.fresh_model("cuda")

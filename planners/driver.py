@@ -100,7 +100,8 @@ def _finish(problem: Problem, dec: Decisions, ev: Evaluation, planner: str, stat
 def builder_floor(problem: Problem) -> int:
     """The smallest GPU budget any plan can run in: every weight homed on the CPU, the largest
     single step's inputs and outputs in the arena, plus the largest workspace (BuildMemGraph
-    builds every budget from there up when pinned storage is unbounded)."""
+    builds every budget from there up when pinned storage is unbounded). An in-place update's
+    new version takes its old version's bytes, so it is counted once."""
     tg, a = problem.tg, max(1, problem.alignment)
 
     def size(v: int) -> int:
@@ -108,7 +109,9 @@ def builder_floor(problem: Problem) -> int:
 
     need = 0
     for vertex in tg.vertices:
-        need = max(need, sum(size(o) for o in vertex.outputs if o >= 0) + sum(size(x) for x in vertex.inputs()))
+        in_place = {new for old, new in vertex.copy_in if size(old) == size(new)}
+        outputs = sum(size(o) for o in vertex.outputs if o >= 0 and o not in in_place)
+        need = max(need, outputs + sum(size(x) for x in vertex.inputs()))
     for dst in tg.bindings.values():
         need = max(need, size(dst))
     return need + max((v.workspace for v in tg.vertices), default=0)
