@@ -58,6 +58,19 @@ def breakdown(mg, trace_file: Path) -> dict:
             "ms_by_phase": dict(by_phase), "top_ops_ms": dict(by_op.most_common(25))}
 
 
+def eager_op_times(step, count: int = 30) -> dict:
+    """GPU milliseconds per ATen op of one eager step (torch.profiler, self time), to set beside turnip's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.self_device_time_total / 1e3) for e in prof.key_averages() if e.key.startswith("aten::")]
+    rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])[:count]
+    return dict(rows)
+
+
 def top_workspace(mg, count: int = 10) -> list[dict]:
     """The ops that need the most memory beside the arena while they run (the unplanned peak adds the largest)."""
     heavy = sorted((v for v in mg.taskgraph.vertices if v.workspace), key=lambda v: -v.workspace)[:count]
@@ -99,6 +112,7 @@ def main(argv=None) -> int:
 
     eager_step()
     result["eager_step_ms"] = [t * 1e3 for t in timed(eager_step, args.steps)]
+    result["eager_ops_ms"] = eager_op_times(eager_step)
     log.info("turnip %.1f ms, eager %.1f ms; breakdown %s", statistics.median(result["turnip_step_ms"]),
              statistics.median(result["eager_step_ms"]), json.dumps(result["breakdown"], indent=1))
     path = result_path(f"profile_{args.model}.json")

@@ -1,7 +1,7 @@
 """Discrete-event simulation of one MemGraph step under the engine's own resource model.
 
     res = engine.simulate(mg, costs, jitter=0.1, ordering="deterministic", seed=3)
-    res.step_time, res.compute_idle, res.bytes_h2d, res.timeline   # [(vertex, stream, start, end), ...]
+    res.step_time, res.compute_idle, res.host_busy, res.timeline   # [(vertex, stream, start, end), ...]
     res.write_trace("sim.json", mg)                                 # the same Chrome trace engine.run writes
 
 No hardware and no second scheduler: the loop's ``Scheduler`` with the real
@@ -11,9 +11,10 @@ StreamPool / WorkspacePool decides every launch, exactly as
 - Durations. A compute vertex takes its TaskGraph vertex's ``time`` (else the
   cost model's estimate); a transfer (reload, offload, input, output) takes its
   bytes over the bandwidth of its direction; a COPY (arena to arena) reads and
-  writes its bytes at HBM speed. ``overhead`` adds a constant per vertex. With
-  ``jitter`` = sigma > 0 each duration is multiplied by exp(sigma*Z - sigma^2/2)
-  (lognormal, mean 1, so noise levels compare at equal expected work).
+  writes its bytes at HBM speed. ``overhead`` adds a constant to every duration
+  (see Host for how it differs from host time). With ``jitter`` = sigma > 0 each
+  duration is multiplied by exp(sigma*Z - sigma^2/2) (lognormal, mean 1, so noise
+  levels compare at equal expected work).
 - Sharing. Vertices running at the same time on one *pool* share its rate
   equally (processor sharing): h2d and d2h are separate pools (full-duplex link,
   each direction at its own bandwidth, concurrently) or one pool when
@@ -27,8 +28,31 @@ StreamPool / WorkspacePool decides every launch, exactly as
   finished (cudaStreamWaitEvent). Transfers are reported when really finished.
   A vertex launched early behind a slow one (an offload after a queued kernel)
   holds its stream instance from launch to report, as on the device.
-- Not modelled: the loop's host time per vertex (use ``overhead``), kernel
-  launch latency, PCIe contention with anything else, CPU-side work.
+- Host. The loop thread is one serial resource: every launch, compute or
+  transfer, occupies it for ``host_per_vertex`` seconds (default: the cost
+  model's ``host_per_vertex_on(backend)``, else its ``host_per_vertex``, else 0;
+  bench/engine_overhead.py measures about 15 us on an H100). A launch begins at
+  max(when the loop took the report that made it launchable, when the host ended
+  the previous launch), and its vertex's device work no earlier than the launch
+  ends (``launched_at`` + ``host_per_vertex``). The loop takes reports as
+  ``engine.loop.drive`` does with engine/cuda.py's completions: one at a time
+  when the host is free, queued early reports first, the device's news (finished
+  transfers, early reports freed by the depth) only when none is queued, all
+  that has come in at once. With launch-ahead the host runs ahead of the GPU
+  while it launches faster than the GPU drains: N kernels shorter than the host
+  cost take about N x ``host_per_vertex``, while long kernels hide it (only the
+  first launch shows). ``res.host_busy`` is the host's launch time (vertices x
+  ``host_per_vertex``), to set beside ``step_time`` and ``compute_busy``.
+  ``overhead`` is the older stand-in: it lengthens each vertex's own device
+  time, so it holds the vertex's stream, counts as compute or link busy time, is
+  shared by the pool and scaled by jitter, and is paid in parallel on concurrent
+  streams and never hidden; it gives the host model's step time only for a chain
+  launched without launch-ahead, where host and device alternate. Both may be
+  set; they add.
+- Not modelled: host time that is not a launch (taking a report, polling; fold
+  it into ``host_per_vertex``, which is measured per vertex), kernel launch
+  latency on the device, PCIe contention with anything else, CPU-side work of
+  the ops themselves.
 """
 
 from __future__ import annotations
@@ -75,6 +99,7 @@ class SimResult:
     compute_idle: float  # step_time per device minus compute_busy: the GPU waiting on transfers or order
     h2d_busy: float  # seconds the host->device link moved something
     d2h_busy: float
+    host_busy: float  # seconds the loop thread spent launching (vertices x host_per_vertex)
     bytes_h2d: int  # reloads + batch inputs
     bytes_d2h: int  # offloads + outputs
     ordering: str
@@ -82,7 +107,8 @@ class SimResult:
     jitter: float
     timeline: list[Span] = field(default_factory=list, repr=False)
     launch_order: list[int] = field(default_factory=list, repr=False)
-    launched_at: list[float] = field(default_factory=list, repr=False)  # loop launch time per vertex
+    host_per_vertex: float = 0.0  # host seconds per launch this run used
+    launched_at: list[float] = field(default_factory=list, repr=False)  # when the host began each launch
     records: list[Record] = field(default_factory=list, repr=False)  # engine.loop Records, for traces
     keys: list = field(default_factory=list, repr=False)
     instances: dict = field(default_factory=dict, repr=False)
@@ -90,7 +116,8 @@ class SimResult:
     def summary(self) -> dict:
         """The scalar results (what a benchmark row stores)."""
         return {"step_time": self.step_time, "compute_busy": self.compute_busy, "compute_idle": self.compute_idle,
-                "h2d_busy": self.h2d_busy, "d2h_busy": self.d2h_busy, "bytes_h2d": self.bytes_h2d,
+                "h2d_busy": self.h2d_busy, "d2h_busy": self.d2h_busy, "host_busy": self.host_busy,
+                "host_per_vertex": self.host_per_vertex, "bytes_h2d": self.bytes_h2d,
                 "bytes_d2h": self.bytes_d2h, "ordering": self.ordering, "seed": self.seed, "jitter": self.jitter}
 
     def write_trace(self, path: str | Path, mg: MemGraph, meta: dict | None = None) -> Path:
@@ -112,6 +139,24 @@ def link_bandwidths(costs: Any = None, bandwidth: Any = None) -> tuple[float, fl
     if isinstance(bandwidth, (tuple, list)):
         return float(bandwidth[0]), float(bandwidth[1])
     return float(bandwidth), float(bandwidth)
+
+
+def host_seconds(costs: Any = None, host_per_vertex: float | None = None, backend: str = "cuda") -> float:
+    """Host seconds per launch: ``host_per_vertex``, else the cost model's figure for ``backend``.
+
+    A planners.costs.CostModel knows it per backend (``host_per_vertex_on``: 15 us on CUDA, 0 on the
+    CPU backend, whose op times already hold it); any other model may carry a plain
+    ``host_per_vertex``; a mapping of durations or no model means 0 (the simulator before host time).
+    """
+    if host_per_vertex is None:
+        if costs is None or isinstance(costs, Mapping):
+            return 0.0
+        per_backend = getattr(costs, "host_per_vertex_on", None)
+        host_per_vertex = per_backend(backend) if callable(per_backend) else getattr(costs, "host_per_vertex", 0.0)
+    h = float(host_per_vertex)
+    if not (h >= 0 and math.isfinite(h)):
+        raise ValueError(f"host_per_vertex must be a finite number of seconds >= 0, got {host_per_vertex!r}")
+    return h
 
 
 def moved_bytes(mg: MemGraph, vid: int) -> int:
@@ -198,13 +243,17 @@ def transfer_bytes(mg: MemGraph) -> tuple[int, int]:
     return b_in, b_out
 
 
-def step_floor(mg: MemGraph, costs: Any = None, bandwidth: Any = None) -> dict:
-    """Lower bound on the step: max(compute incl. recompute and copies, bytes in / H2D bw, bytes out / D2H bw)."""
+def step_floor(mg: MemGraph, costs: Any = None, bandwidth: Any = None, *, host_per_vertex: float | None = None,
+               backend: str = "cuda") -> dict:
+    """Lower bound on the step: max(compute incl. recompute and copies, bytes in / H2D bw, bytes out / D2H bw,
+    vertices x host seconds per launch). ``host_per_vertex`` and ``backend`` as in ``simulate``."""
     durations = nominal_durations(mg, costs, bandwidth)
     h2d, d2h = link_bandwidths(None if isinstance(costs, Mapping) else costs, bandwidth)
     compute = sum(d for mv, d in zip(mg.vertices, durations) if mv.stream is Stream.COMPUTE)
     b_in, b_out = transfer_bytes(mg)
-    parts = {"compute": compute, "h2d": b_in / h2d, "d2h": b_out / d2h}
+    # the host launches every vertex one after another, and the last launch ends before its vertex does
+    host = len(mg.vertices) * host_seconds(costs, host_per_vertex, backend)
+    parts = {"compute": compute, "h2d": b_in / h2d, "d2h": b_out / d2h, "host": host}
     return {**parts, "floor": max(parts.values()), "bytes_h2d": b_in, "bytes_d2h": b_out}
 
 
@@ -226,8 +275,9 @@ class _Lane:
 class _Sim:
     EPS = 1e-15  # seconds: remaining work below this counts as done (float residue of the sharing)
 
-    def __init__(self, mg: MemGraph, sched: Scheduler, durations: list[float], duplex: bool, depth: int):
-        self.mg, self.s, self.dur, self.depth = mg, sched, durations, depth
+    def __init__(self, mg: MemGraph, sched: Scheduler, durations: list[float], duplex: bool, depth: int,
+                 host: float = 0.0):
+        self.mg, self.s, self.dur, self.depth, self.host = mg, sched, durations, depth, host
         g = sched.g
         self.g = g
         self.pending = list(g.indegree)  # predecessors not really finished
@@ -235,13 +285,17 @@ class _Sim:
         self.lane_of: list[_Lane | None] = [None] * g.n
         self.reported = bytearray(g.n)
         self.launched_at = [math.nan] * g.n
+        self.ready_at = [math.nan] * g.n  # launch ends: the device may start the vertex from then on
+        self.host_free = 0.0  # when the loop thread ends the launches it has begun
+        self.host_busy = 0.0
         self.start = [math.nan] * g.n
         self.end = [math.nan] * g.n
         self.remaining = [0.0] * g.n
         self.active: dict[tuple, list[int]] = collections.defaultdict(list)  # pool -> running vertices
         self.busy: dict[tuple, float] = collections.defaultdict(float)
         self.duplex = duplex
-        self.completions: collections.deque[int] = collections.deque()
+        self.completions: collections.deque[int] = collections.deque()  # reports the loop takes in turn
+        self.unpolled: list[int] = []  # device news the loop has not polled yet
         self.finished = 0
         self.now = 0.0
 
@@ -261,28 +315,54 @@ class _Sim:
             vid = item.vertex
             lane = self._lane(item.key, item.instance)
             self.lane_of[vid] = lane
-            self.launched_at[vid] = self.now
+            # one loop thread: a batch's launches run back to back, each after the host's previous one
+            begin = max(self.now, self.host_free)
+            self.launched_at[vid] = begin
+            self.host_free = self.ready_at[vid] = begin + self.host
+            self.host_busy += self.host
             lane.queue.append(vid)
             if lane.early:
                 if lane.reported < self.depth:
                     lane.reported += 1
-                    self._report(vid)
+                    self._report(vid, self.completions)  # at launch, as engine/cuda.py's launch
                 else:
                     lane.unreported.append(vid)
 
-    def _report(self, vid: int) -> None:
+    def _report(self, vid: int, to: collections.deque[int] | list[int]) -> None:
         self.reported[vid] = 1
-        self.completions.append(vid)
+        to.append(vid)
 
     def _drain(self) -> None:
-        while self.completions:
+        # As engine.loop.drive with engine/cuda.py's EventCompletions: the loop takes one report whenever
+        # it is free (done launching), and polls the device only when no report is queued, taking all
+        # its news at once. So a run of early reports goes before a transfer that ended meanwhile, and
+        # news that come in while the host is launching waits for it. With no host time this is the
+        # order the reports were made in.
+        while self.host_free <= self.now:
+            if not self.completions:
+                if not self.unpolled:
+                    break
+                self.completions.extend(self.unpolled)
+                self.unpolled.clear()
             self._launch_all(self.s.complete(self.completions.popleft()))
         self._start_ready()
+
+    def _host_event(self) -> float:
+        """The next time the host changes what can happen: it is done launching while reports wait,
+        or a launch ends for a stream's first vertex whose predecessors are done."""
+        t = self.host_free if (self.completions or self.unpolled) and self.host_free > self.now else math.inf
+        for lane in self.lanes.values():
+            if lane.running < 0 and lane.queue:
+                head = lane.queue[0]
+                if self.pending[head] == 0 and self.now < self.ready_at[head] < t:
+                    t = self.ready_at[head]
+        return t
 
     # the device side: lanes start their head when its predecessors are done, pools share rates
     def _start_ready(self) -> None:
         for lane in self.lanes.values():
-            if lane.running < 0 and lane.queue and self.pending[lane.queue[0]] == 0:
+            if (lane.running < 0 and lane.queue and self.pending[lane.queue[0]] == 0
+                    and self.ready_at[lane.queue[0]] <= self.now):
                 vid = lane.queue.popleft()
                 lane.running = vid
                 self.start[vid] = self.now
@@ -301,10 +381,10 @@ class _Sim:
         else:  # transfers report when done (as engine/cuda.py's poll: reported vertices are the older ones)
             if lane.unreported and lane.unreported[0] == vid:
                 lane.unreported.popleft()
-            self._report(vid)
+            self._report(vid, self.unpolled)
         while lane.early and lane.unreported and lane.reported < self.depth:
             lane.reported += 1
-            self._report(lane.unreported.popleft())
+            self._report(lane.unreported.popleft(), self.unpolled)
 
     def run(self) -> None:
         self._launch_all(self.s.start())
@@ -312,7 +392,8 @@ class _Sim:
         n = self.g.n
         while self.finished < n:
             pools = [(pool, vids) for pool, vids in self.active.items() if vids]
-            if not pools:
+            host_event = self._host_event()
+            if not pools and host_event == math.inf:
                 stuck = self.s.stuck()
                 raise StallError(f"simulated stall: {len(stuck)} of {n} vertices can never run "
                                  f"(nothing ready, nothing in flight)\n{self.s.explain_stuck(self.mg)}", stuck)
@@ -323,7 +404,11 @@ class _Sim:
                     t = self.remaining[v] * len(vids)
                     if t < dt:
                         first, dt = v, t
-            self.now += dt
+            if host_event < self.now + dt:  # the host acts first: running vertices progress, none is due
+                first, dt = -1, host_event - self.now
+                self.now = host_event
+            else:
+                self.now += dt
             done = []
             for pool, vids in pools:
                 self.busy[pool] += dt
@@ -343,7 +428,8 @@ class _Sim:
 
 def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str | Policy = "nondeterministic",
              seed: int = 0, streams: dict | None = None, bandwidth: Any = None, *, duplex: bool = True,
-             backend: str = "cuda", launch_ahead: int | None = None, overhead: float = 0.0) -> SimResult:
+             backend: str = "cuda", launch_ahead: int | None = None, overhead: float = 0.0,
+             host_per_vertex: float | None = None) -> SimResult:
     """Simulate one step of ``mg``; see the module docstring for the model.
 
     costs: None (TaskGraph vertex.time), {MemGraph vertex id: seconds}, or a planners.costs.CostModel.
@@ -353,10 +439,13 @@ def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str
     bandwidth: bytes/s, one number or (h2d, d2h) or {"h2d":, "d2h":}; default the cost model's, else 50 GB/s.
     duplex: False puts both directions on one shared link. backend: "cuda" or "cpu" (stream counts,
     launch-ahead). launch_ahead: unreported compute vertices per stream (None: backend default, 0: off).
-    overhead: seconds added to every vertex (the loop's per-vertex host cost).
+    overhead: seconds added to every vertex's device time (kept for old callers; host_per_vertex models
+    the loop's cost, see the module docstring for how the two differ).
+    host_per_vertex: host seconds per launch on the one loop thread; None: the cost model's (host_seconds).
     """
     if jitter < 0:
         raise ValueError(f"jitter is the lognormal sigma and must be >= 0, got {jitter}")
+    host = host_seconds(costs, host_per_vertex, backend)
     policy = make_policy(ordering, seed)
     graph = StaticGraph(mg)
     counts = stream_counts(backend, streams)
@@ -368,7 +457,7 @@ def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str
         z = np.random.default_rng(seed).standard_normal(len(durations))
         durations = (np.asarray(durations) * np.exp(jitter * z - jitter * jitter / 2)).tolist()
     depth = (CUDA_LAUNCH_AHEAD if backend == "cuda" else 0) if launch_ahead is None else int(launch_ahead)
-    sim = _Sim(mg, sched, durations, duplex, depth)
+    sim = _Sim(mg, sched, durations, duplex, depth, host)
     sim.run()
 
     timeline = sorted((Span(v, sim.lane_of[v].name, sim.start[v], sim.end[v]) for v in range(graph.n)),
@@ -385,7 +474,8 @@ def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str
     b_in, b_out = transfer_bytes(mg)
     return SimResult(
         step_time=step, compute_busy=busy["compute"], compute_idle=step * n_compute_devices - busy["compute"],
-        h2d_busy=link_in, d2h_busy=busy["d2h"] if duplex else link_in, bytes_h2d=b_in, bytes_d2h=b_out,
-        ordering=policy.name, seed=seed, jitter=jitter, timeline=timeline, launch_order=list(sched.launch_order),
+        h2d_busy=link_in, d2h_busy=busy["d2h"] if duplex else link_in, host_busy=sim.host_busy,
+        bytes_h2d=b_in, bytes_d2h=b_out, ordering=policy.name, seed=seed, jitter=jitter,
+        host_per_vertex=host, timeline=timeline, launch_order=list(sched.launch_order),
         launched_at=sim.launched_at, records=records, keys=list(graph.keys),
         instances={k: n for k, n in enumerate(pool.sizes)})

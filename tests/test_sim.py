@@ -5,7 +5,10 @@ Units: bandwidth 1e9 B/s, so 1e6 bytes take 1 ms; compute times are given in ms.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import random
 
 import pytest
 import torch
@@ -280,3 +283,194 @@ def test_traced_gpt_respects_dependencies_and_floor(gpt_memgraph, ordering):
     assert exact.step_time >= floor["floor"] * (1 - 1e-9)
     assert exact.bytes_h2d == floor["bytes_h2d"] and exact.bytes_d2h == floor["bytes_d2h"]
     assert exact.bytes_d2h > 0  # the budget forced offloads
+
+
+# -- host time: the loop thread launches one vertex at a time -------------------------------------
+
+HOST = 0.1 * MS
+
+
+def chain(n: int, ms: float) -> MemGraph:
+    h = Hand()
+    prev = []
+    for _ in range(n):
+        prev = [h.compute(ms, after=prev)]
+    return h.done()
+
+
+def test_tiny_kernels_are_host_bound_with_launch_ahead():
+    n, tiny = 40, 0.001  # ms: a hundredth of the host cost
+    mg = chain(n, tiny)
+    res = simulate(mg, bandwidth=BW, launch_ahead=16, host_per_vertex=HOST)
+    # back-to-back launches; the GPU runs each kernel as its launch ends and then waits for the next
+    assert res.launched_at == pytest.approx([i * HOST for i in range(n)], abs=1e-15)
+    assert starts(res) == pytest.approx({v: (v + 1) * HOST / MS for v in range(n)})
+    assert res.step_time == pytest.approx(n * HOST + tiny * MS)
+    assert res.host_busy == pytest.approx(n * HOST)
+    assert res.compute_idle == pytest.approx(n * HOST + tiny * MS - n * tiny * MS)
+    # without launch-ahead the loop waits for each kernel before launching the next: host and GPU alternate,
+    # which is the one case the older per-vertex ``overhead`` describes
+    eager_loop = simulate(mg, bandwidth=BW, launch_ahead=0, host_per_vertex=HOST)
+    assert eager_loop.step_time == pytest.approx(n * (HOST + tiny * MS))
+    assert simulate(mg, bandwidth=BW, launch_ahead=0, overhead=HOST).step_time == pytest.approx(eager_loop.step_time)
+    # but ``overhead`` books the host's time as GPU time: the GPU looks busy all along
+    assert simulate(mg, bandwidth=BW, launch_ahead=16, overhead=HOST).compute_idle == pytest.approx(0, abs=1e-12)
+
+
+def test_long_kernels_hide_host_time():
+    n = 10  # 1 ms kernels, ten times the host cost: only the first launch shows
+    res = simulate(chain(n, 1), bandwidth=BW, launch_ahead=16, host_per_vertex=HOST)
+    assert res.step_time == pytest.approx(n * MS + HOST)
+    assert starts(res) == pytest.approx({v: HOST / MS + v for v in range(n)})
+    assert res.compute_idle == pytest.approx(HOST)
+    assert res.compute_busy == pytest.approx(n * MS)  # host time is not device time
+    assert res.host_busy == pytest.approx(n * HOST)
+    # the older ``overhead`` lengthens every kernel instead, so it never hides
+    assert simulate(chain(n, 1), bandwidth=BW, launch_ahead=16, overhead=HOST).step_time == pytest.approx(
+        n * (MS + HOST))
+
+
+def test_a_transfer_is_one_host_launch():
+    # five tiny reloads on the two h2d streams: the host, not the link, sets the pace
+    h = Hand()
+    reloads = [h.transfer(Kind.RELOAD, 0.001) for _ in range(5)]
+    mg = h.done()
+    res = simulate(mg, bandwidth=BW, host_per_vertex=1 * MS)
+    assert res.launched_at == pytest.approx([i * MS for i in range(5)], abs=1e-15)
+    assert starts(res) == pytest.approx({v: v + 1 for v in reloads})
+    assert res.step_time == pytest.approx(5.001 * MS)
+    assert res.host_busy == pytest.approx(5 * MS) == res.summary()["host_busy"]
+    floor = step_floor(mg, bandwidth=BW, host_per_vertex=1 * MS)
+    assert floor["host"] == pytest.approx(5 * MS) and floor["floor"] == floor["host"] <= res.step_time
+    # a reload behind a kernel: its launch follows the kernel's, it moves once that launch has ended
+    h = Hand()
+    c = h.compute(0.001)
+    r = h.transfer(Kind.RELOAD, 0.001, after=[c])
+    both = simulate(h.done(), bandwidth=BW, launch_ahead=0, host_per_vertex=1 * MS)
+    assert both.launched_at[r] == pytest.approx(1.001 * MS)
+    assert starts(both)[r] == pytest.approx(2.001)
+    assert both.step_time == pytest.approx(2.002 * MS)
+
+
+def random_dag(seed: int, n: int = 80) -> MemGraph:
+    """Kernels with up to two predecessors, reloads and offloads, random durations (fixed by seed)."""
+    rng = random.Random(seed)
+    h = Hand()
+    computes: list[int] = []
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.15:
+            h.transfer(Kind.RELOAD, rng.uniform(0.05, 3), after=rng.sample(computes, min(len(computes), 1)))
+        elif r < 0.3 and computes:
+            h.transfer(Kind.OFFLOAD, rng.uniform(0.05, 3), after=[rng.choice(computes)])
+        else:
+            prev = list(range(len(h.mg.vertices)))
+            computes.append(h.compute(rng.uniform(0.01, 2), after=rng.sample(prev, min(len(prev), 2))))
+    return h.done()
+
+
+# (step_time, sum of start times) from engine/timing_sim.py as of acb5efc, before it modelled host time
+BEFORE_HOST_TIME = {
+    (1, 0, "nondeterministic"): (0.05601683605288471, 2.024209008473775),
+    (1, 0, "random"): (0.06080592781426041, 2.045206958614863),
+    (1, 16, "nondeterministic"): (0.056016836052884725, 2.1516853521235877),
+    (1, 16, "random"): (0.05550303373505037, 2.091380463023452),
+    (2, 0, "nondeterministic"): (0.06170221944629402, 2.2767035806819016),
+    (2, 0, "random"): (0.06560609014779259, 2.456112863024647),
+    (2, 16, "nondeterministic"): (0.06170221944629402, 2.3526194211806692),
+    (2, 16, "random"): (0.0642358803276705, 2.7441495557660502),
+}
+
+
+class HostCostModel:
+    """A cost model that knows only a host cost (its compute times come from the TaskGraph)."""
+
+    host_per_vertex = 1 * MS
+    h2d_bandwidth = d2h_bandwidth = BW
+
+    def estimate(self, tg, vertex):
+        return (0.0, 0)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_no_host_cost_is_the_simulator_before_it(seed):
+    mg = random_dag(seed)
+    for (s, launch_ahead, ordering), before in BEFORE_HOST_TIME.items():
+        if s != seed:
+            continue
+        noisy = {"jitter": 0.2, "streams": {"compute": 2, "h2d": 2}} if ordering == "random" else {}
+        kw = {"seed": seed, "launch_ahead": launch_ahead, "ordering": ordering, **noisy}
+        default = simulate(mg, bandwidth=BW, **kw)  # no cost model: no host cost
+        zero = simulate(mg, HostCostModel(), **kw, host_per_vertex=0)  # an explicit 0 beats the model's
+        for res in (default, zero):
+            assert (res.step_time, sum(sp.start for sp in res.timeline)) == before
+            assert res.host_busy == 0 and res.host_per_vertex == 0
+        assert [tuple(sp) for sp in zero.timeline] == [tuple(sp) for sp in default.timeline]
+        assert zero.launch_order == default.launch_order and zero.launched_at == default.launched_at
+
+
+def test_host_cost_defaults_to_the_cost_model():
+    mg = chain(3, 1)
+    assert simulate(mg, HostCostModel()).host_per_vertex == 1 * MS  # a plain attribute
+    assert simulate(mg, HostCostModel()).step_time == pytest.approx(3 * MS + 1 * MS)
+    assert simulate(mg, {0: 1 * MS}).host_per_vertex == 0  # a mapping of durations has none
+
+    class PerBackend(HostCostModel):
+        def host_per_vertex_on(self, device):
+            return 2 * MS if device.startswith("cuda") else 0.0
+
+    # the figure for the backend simulated, not for the device the model was made on
+    assert simulate(mg, PerBackend(), backend="cuda").host_per_vertex == 2 * MS
+    assert simulate(mg, PerBackend(), backend="cpu").host_per_vertex == 0
+    assert simulate(mg, PerBackend(), host_per_vertex=0.5 * MS).host_per_vertex == 0.5 * MS
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="host_per_vertex"):
+            simulate(mg, host_per_vertex=bad)
+
+
+def test_traced_gpt_with_host_time(gpt_memgraph):
+    mg, costs = gpt_memgraph
+    h = 15e-6  # given, not the cost model's, so the test does not move with its default
+    res = engine.simulate(mg, costs, host_per_vertex=h, seed=3)
+    n = len(mg.vertices)
+    start = {s.vertex: s.start for s in res.timeline}
+    end = {s.vertex: s.end for s in res.timeline}
+    for src, dst, _ in mg.edges:
+        assert start[dst] >= end[src] - 1e-15
+    launched = [res.launched_at[v] for v in res.launch_order]
+    assert all(b - a >= h * (1 - 1e-9) for a, b in itertools.pairwise(launched))  # one launch at a time
+    assert all(start[v] >= res.launched_at[v] + h * (1 - 1e-9) for v in range(n))
+    assert res.host_busy == pytest.approx(n * h)
+    floor = step_floor(mg, costs, host_per_vertex=h)
+    assert floor["host"] == pytest.approx(n * h)
+    assert res.step_time >= floor["floor"] * (1 - 1e-9)
+    assert res.step_time > engine.simulate(mg, costs, host_per_vertex=0.0, seed=3).step_time
+
+
+def test_host_takes_queued_reports_before_polling_the_device():
+    # engine.loop.drive with the CUDA completions: when free, the loop takes a queued (early) report;
+    # it polls the device only when none is queued, and then takes all it finds, in order.
+    two = {"bandwidth": BW, "host_per_vertex": 1 * MS, "streams": {"compute": 2}}
+    # k0 -> k1 -> k2 report at launch; reload R ends at 1.001 ms, while the host launches k0. The queue of
+    # early reports (k0, then k1, then k2) runs dry only at 4 ms, so B, R's successor, is launched last
+    h = Hand()
+    r = h.transfer(Kind.RELOAD, 0.001)
+    k0 = h.compute(0.001)
+    k1 = h.compute(0.001, after=[k0])
+    k2 = h.compute(0.001, after=[k1])
+    b = h.compute(0.001, after=[r])
+    res = simulate(h.done(), **two)
+    assert res.launch_order == [r, k0, k1, k2, b]
+    assert res.launched_at == pytest.approx([i * MS for i in range(5)])
+    # reloads X and Y both end while the host launches; one poll at 3 ms finds both: X's successor BX,
+    # then Y's successor BY, and only then CX, released by BX's report, which was queued behind Y
+    h = Hand()
+    x = h.transfer(Kind.RELOAD, 0.001)
+    y = h.transfer(Kind.RELOAD, 0.001)
+    h.compute(0.001)
+    bx = h.compute(0.001, after=[x])
+    cx = h.compute(0.001, after=[bx])
+    by = h.compute(0.001, after=[y])
+    res = simulate(h.done(), **two)
+    assert res.launch_order[3:] == [bx, by, cx]
+    assert [res.launched_at[v] for v in (bx, by, cx)] == pytest.approx([3 * MS, 4 * MS, 5 * MS])
