@@ -149,6 +149,9 @@ class CudaRuntime(Runtime):
         self.rng = None
         self._unpin()
         super().close()
+        # cuBLAS keeps a workspace per stream it ran on, even after the stream is gone: drop them, or
+        # every MemGraph released in this process leaves its streams' workspaces allocated
+        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
 
     def _unpin(self) -> None:

@@ -142,6 +142,9 @@ class TaskGraph:
     batch_spec: Any = None  # torch.utils._pytree TreeSpec of the example batch (None for synthetic graphs)
     initial_state: dict[int, Any] = field(default_factory=dict)  # persistent value -> its tensor at trace time
     state_names: dict[str, int] = field(default_factory=dict)  # model state_dict key -> persistent value id
+    # bytes the engine's streams keep besides arena and op workspace (cuBLAS/cuDNN workspaces of a new
+    # stream), measured by the cost model on the device; 0 on the CPU
+    runtime_reserve: int = 0
 
     # -- construction -------------------------------------------------------
     def add_value(self, shape, stride, dtype, nbytes, kind=ValueKind.INTERMEDIATE, producer=-1, name="") -> int:
@@ -236,6 +239,11 @@ class TaskGraph:
             # outputs nobody reads die at once
             live -= sum(size(o) for o in vertex.outputs if o >= 0 and o not in last_use and o not in keep)
         return peak
+
+    def step_workspace(self) -> int:
+        """GPU bytes a step needs beside its arena at worst: the largest op workspace plus the
+        runtime's reserve. Budgets are checked against arena + this."""
+        return max((v.workspace for v in self.vertices), default=0) + self.runtime_reserve
 
     def copy(self) -> TaskGraph:
         return dataclasses.replace(

@@ -75,7 +75,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
 def unplanned_peak(keep_all: MemGraph) -> int:
     """GPU bytes the step takes with everything kept: the arena BuildMemGraph packs it into,
     plus the largest op workspace. Fractional budgets are fractions of this."""
-    return keep_all.arena_bytes + max((v.workspace for v in keep_all.taskgraph.vertices), default=0)
+    return keep_all.arena_bytes + keep_all.taskgraph.step_workspace()
 
 
 def make_plan(tg, gpu_budget: int, cpu_budget: int | None, planner: str, **options):

@@ -125,7 +125,7 @@ class Schedule:
             else:
                 v = step[2]
                 self.need[s] = 0 if self.gpu_home[v] else self.size[v]
-        self.max_workspace = max((vertex.workspace for vertex in tg.vertices), default=0)
+        self.max_workspace = tg.step_workspace()
 
     def min_gpu_budget(self) -> tuple[int, int]:
         """(smallest GPU budget the builder can always run in when CPU storage is unbounded,

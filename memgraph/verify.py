@@ -326,7 +326,7 @@ class _Verifier:
     # -- (d) -------------------------------------------------------------------------------
     def _check_bounds(self) -> None:
         mg, tg = self.mg, self.tg
-        workspace = max((v.workspace for v in tg.vertices), default=0)
+        workspace = tg.step_workspace()
         if mg.arena_bytes > mg.plan.gpu_budget - workspace:
             self.report("d", f"arena of {mg.arena_bytes} bytes + workspace {workspace} exceeds the GPU budget "
                              f"{mg.plan.gpu_budget}")

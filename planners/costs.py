@@ -273,6 +273,7 @@ class CostModel:
         self._cache: CostCache | None = None
         self.measured = 0  # ops measured by this model (tests check the cache answers instead)
         self.cache_hits = 0
+        self._reserve: int | None = None
 
     # the cache is opened lazily: an analytic model never touches the disk
     @property
@@ -282,6 +283,16 @@ class CostModel:
 
             self._cache = CostCache(self.cache_dir, measure.device_name(self.device), torch.__version__)
         return self._cache
+
+    @property
+    def runtime_reserve(self) -> int:
+        """Bytes the engine's compute stream keeps beside arena and op workspace: the cuBLAS and
+        cuBLASLt workspaces a new stream gets on its first matmul (measured; 0 off CUDA)."""
+        if not self.measure or not self.device.startswith("cuda"):
+            return 0
+        if self._reserve is None:
+            self._reserve = measure.measure_stream_reserve(self.device)
+        return self._reserve
 
     @property
     def h2d_bandwidth(self) -> float:
@@ -323,7 +334,8 @@ class CostModel:
 
     def annotate(self, tg: TaskGraph, overwrite: bool = False) -> TaskGraph:
         """Fill vertex.time and vertex.workspace. Vertices that already carry a time keep it
-        unless overwrite (synthetic graphs set their own)."""
+        unless overwrite (synthetic graphs set their own). Also sets the graph's runtime reserve."""
+        tg.runtime_reserve = max(tg.runtime_reserve, self.runtime_reserve)
         todo = [v for v in tg.vertices if overwrite or v.time <= 0]
         if not todo:
             return tg

@@ -114,7 +114,7 @@ def builder_floor(problem: Problem) -> int:
         need = max(need, outputs + sum(size(x) for x in vertex.inputs()))
     for dst in tg.bindings.values():
         need = max(need, size(dst))
-    return need + max((v.workspace for v in tg.vertices), default=0)
+    return need + tg.step_workspace()
 
 
 def raise_infeasible(problem: Problem, needed: int) -> None:

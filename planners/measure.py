@@ -113,6 +113,27 @@ def _time_cuda(once, runs: int, dev: torch.device) -> tuple[float, int]:
     return statistics.median(samples), workspace
 
 
+def measure_stream_reserve(device: str) -> int:
+    """Bytes that stay allocated after the first matmuls on a new stream (library workspaces kept
+    per stream): the engine runs on streams of its own, so its step pays this once more."""
+    dev = torch.device(device)
+    a16, b16 = torch.randn(512, 512, device=dev, dtype=torch.bfloat16), torch.randn(512, 512, device=dev,
+                                                                                    dtype=torch.bfloat16)
+    a32, b32 = a16.float(), b16.float()
+    out16, out32 = torch.empty_like(a16), torch.empty_like(a32)
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    stream = torch.cuda.Stream(device=dev)
+    with torch.cuda.stream(stream):
+        torch.mm(a16, b16, out=out16)
+        torch.addmm(out16, a16, b16, out=out16)
+        torch.mm(a32, b32, out=out32)
+    stream.synchronize()
+    reserve = max(0, torch.cuda.memory_allocated(dev) - before)
+    log.info("a new stream keeps %d bytes of library workspace on %s", reserve, device_name(device))
+    return reserve
+
+
 def measure_bandwidth(device: str, nbytes: int = 64 << 20, runs: int = 5) -> dict[str, float]:
     """Bytes/s host->device and device->host between pinned host memory and the device."""
     dev = torch.device(device)

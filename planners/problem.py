@@ -236,7 +236,7 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
     base_compute = np.zeros(len(win_start), dtype=np.float64)
     np.add.at(base_compute, window_of, times)
     base_host = _base_host(tg, pos, window_of, len(win_start), readers, host_per_vertex)
-    max_ws = max((-(-tg.vertices[v].workspace // alignment) * alignment for v in order), default=0)
+    max_ws = max((-(-tg.vertices[v].workspace // alignment) * alignment for v in order), default=0) + tg.runtime_reserve
     cap = math.floor(headroom * (gpu_budget - max_ws))
     problem = Problem(tg=tg, order=order, pos=pos, times=times, win_start=win_start, win_end=win_end,
                       window_of=window_of, base=base, base_compute=base_compute, base_h2d=base_h2d,

@@ -262,3 +262,17 @@ def test_compact_build_packs_the_keep_everything_arena():
     packed = check(build(tg, Plan(gpu_budget=1 << 50), compact=True))
     assert peak <= spread.arena_bytes and packed.arena_bytes <= 1.15 * peak < spread.arena_bytes
     assert packed.summary()["vertices_by_kind"].get("offload", 0) == 0
+
+
+def test_runtime_reserve_counts_like_workspace():
+    """Bytes the engine's streams keep (library workspaces) come off the budget like op workspace."""
+    tg = chain_of_blocks(4, act_bytes=4096, param_bytes=1024)
+    plan = Plan(gpu_budget=0)
+    low, _ = minimum_budget(tg, plan)
+    tg.runtime_reserve = 10_240
+    assert minimum_budget(tg, plan)[0] == low + 10_240
+    plan.gpu_budget = low + 10_240
+    mg = build(tg, plan)
+    assert verify(mg) == []
+    mg.plan.gpu_budget -= 256  # the same arena without room for the reserve breaks the bound
+    assert any("exceeds the GPU budget" in p for p in verify(mg))
