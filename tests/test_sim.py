@@ -474,3 +474,22 @@ def test_host_takes_queued_reports_before_polling_the_device():
     res = simulate(h.done(), **two)
     assert res.launch_order[3:] == [bx, by, cx]
     assert [res.launched_at[v] for v in (bx, by, cx)] == pytest.approx([3 * MS, 4 * MS, 5 * MS])
+
+
+def test_compile_keeps_the_candidate_the_simulator_runs_fastest():
+    """Of two MemGraphs for one step, the one moving far more bytes over the link is slower in the simulator."""
+    from synthetic import chain_of_blocks
+    from turnip.memgraph.compile import fastest_simulated
+
+    tg = chain_of_blocks(6, act_bytes=1 << 20, param_bytes=1 << 16)
+    for v in tg.vertices:
+        v.time = 50e-6
+    peak = tg.live_peak(alignment=256)
+    roomy = memgraph.build(tg, Plan(gpu_budget=peak * 2, planner="roomy"))
+    tight = memgraph.build(tg, Plan(gpu_budget=peak // 3, planner="tight"))
+    assert tight.summary()["bytes_offloaded"] > roomy.summary()["bytes_offloaded"]
+    best = fastest_simulated([tight, roomy], None, "cuda")
+    assert best is roomy
+    candidates = best.stats["simulated_candidates"]
+    assert set(candidates) == {"tight#0", "roomy#1"} and candidates["roomy#1"] < candidates["tight#0"]
+    assert best.stats["simulated_step_s"] == candidates["roomy#1"]
