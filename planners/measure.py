@@ -119,17 +119,21 @@ def measure_stream_reserve(device: str) -> int:
     dev = torch.device(device)
     a16, b16 = torch.randn(512, 512, device=dev, dtype=torch.bfloat16), torch.randn(512, 512, device=dev,
                                                                                     dtype=torch.bfloat16)
-    a32, b32 = a16.float(), b16.float()
+    bias16 = torch.randn(512, device=dev, dtype=torch.bfloat16)
+    a32, b32, bias32 = a16.float(), b16.float(), bias16.float()
     out16, out32 = torch.empty_like(a16), torch.empty_like(a32)
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
     stream = torch.cuda.Stream(device=dev)
     with torch.cuda.stream(stream):
         torch.mm(a16, b16, out=out16)
-        torch.addmm(out16, a16, b16, out=out16)
+        torch.addmm(bias16, a16, b16, out=out16)  # a bias vector takes the cuBLASLt path
         torch.mm(a32, b32, out=out32)
+        torch.addmm(bias32, a32, b32, out=out32)
     stream.synchronize()
     reserve = max(0, torch.cuda.memory_allocated(dev) - before)
+    del stream
+    torch._C._cuda_clearCublasWorkspaces()  # the measuring stream's workspace must not stay allocated
     log.info("a new stream keeps %d bytes of library workspace on %s", reserve, device_name(device))
     return reserve
 
