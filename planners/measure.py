@@ -122,6 +122,7 @@ def measure_stream_reserve(device: str) -> int:
     bias16 = torch.randn(512, device=dev, dtype=torch.bfloat16)
     a32, b32, bias32 = a16.float(), b16.float(), bias16.float()
     out16, out32 = torch.empty_like(a16), torch.empty_like(a32)
+    q = torch.randn(1, 2, 128, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
     stream = torch.cuda.Stream(device=dev)
@@ -130,6 +131,10 @@ def measure_stream_reserve(device: str) -> int:
         torch.addmm(bias16, a16, b16, out=out16)  # a bias vector takes the cuBLASLt path
         torch.mm(a32, b32, out=out32)
         torch.addmm(bias32, a32, b32, out=out32)
+        # attention kernels (cuDNN, flash) keep small per-stream buffers too
+        attended = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        grad, = torch.autograd.grad(attended.sum(), q)
+        del attended, grad
     stream.synchronize()
     reserve = max(0, torch.cuda.memory_allocated(dev) - before)
     del stream

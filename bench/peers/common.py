@@ -125,6 +125,8 @@ def release_memory(device) -> None:
     gc.collect()
     if is_cuda(device) and torch.cuda.is_available():
         torch.cuda.synchronize(device)
+        # cuBLAS keeps a workspace per stream it ran on: the last system's would count in the next one's peak
+        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
         # pinned host blocks (save_on_cpu, turnip's CPU storage) stay cached by torch otherwise,
         # and a suite of large models would pile them up in host memory
