@@ -77,21 +77,19 @@ def transfer_pairs(mg: MemGraph, mv: MVertex) -> list[tuple[int, Place, Place]]:
 
 def input_place(mg: MemGraph, mv: MVertex) -> Place:
     """Where an input vertex writes its batch value: the place of that value, else its only write."""
-    place = mv.writes.get(mv.value)
-    if place is None:
-        if len(mv.writes) != 1:
-            raise EngineError(f"{format_vertex(mg, mv.id, inputs=False)} does not say where its value goes (it "
-                              f"writes {sorted(mv.writes)})")
-        (place,) = mv.writes.values()
-    return place
+    return _place_of_value(mg, mv, mv.writes, "goes (it writes")
 
 
 def output_place(mg: MemGraph, mv: MVertex) -> Place:
     """Where an output vertex reads its value: the place of that value, else its only read."""
-    place = mv.reads.get(mv.value)
+    return _place_of_value(mg, mv, mv.reads, "is read (it reads")
+
+
+def _place_of_value(mg: MemGraph, mv: MVertex, places: dict, where: str) -> Place:
+    place = places.get(mv.value)
     if place is None:
-        if len(mv.reads) != 1:
-            raise EngineError(f"{format_vertex(mg, mv.id, inputs=False)} does not say where its value is read "
-                              f"(it reads {sorted(mv.reads)})")
-        (place,) = mv.reads.values()
+        if len(places) != 1:
+            raise EngineError(f"{format_vertex(mg, mv.id, inputs=False)} does not say where its value {where} "
+                              f"{sorted(places)})")
+        (place,) = places.values()
     return place

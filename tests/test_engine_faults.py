@@ -7,12 +7,14 @@ import threading
 import pytest
 import torch
 from engine_graphs import Placer, add_value, finish, new_memgraph, ref, step_graph, wide_graph
+from turnip.bench.models.mlp import MLP
 from turnip.engine import BatchError, StallError, VertexError
-from turnip.engine.errors import ResourceError
+from turnip.engine.cpu import CpuRuntime
+from turnip.engine.errors import EngineError, ResourceError
 from turnip.ir.memgraph import Edge, Kind, Place, Stream
 from turnip.ir.taskgraph import TaskGraph, ValueKind
 
-from turnip import engine
+from turnip import engine, memgraph
 
 
 def run_bounded(fn, timeout=30.0):
@@ -230,15 +232,9 @@ def test_workspace_over_budget_refused_and_bad_ordering():
     assert mg.runtime.step == 1
 
 
-def test_failure_after_in_place_updates_marks_the_weights_mixed(monkeypatch):
-    """Updates write the weights in their homes: a step failing after some of them ran cannot be rerun."""
-    from turnip.bench.models.mlp import MLP
-    from turnip.engine.cpu import CpuRuntime
-    from turnip.engine.errors import EngineError
-
-    from turnip import memgraph
-
-    torch.manual_seed(0)
+def compiled_mlp(seed: int = 0):
+    """(MemGraph, batch) of a small MLP trained with SGD, everything kept, on the CPU backend."""
+    torch.manual_seed(seed)
     model = MLP(8, 16, 4, depth=4)
     batch = (torch.randn(16, 8), torch.randn(16, 4))
 
@@ -247,21 +243,32 @@ def test_failure_after_in_place_updates_marks_the_weights_mixed(monkeypatch):
 
     mg = memgraph.compile(model, loss_fn, batch, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                           budget=1.0, device="cpu")
-    fresh = memgraph.compile(model, loss_fn, batch, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                             budget=1.0, device="cpu")
+    return mg, batch
+
+
+def fail_at(monkeypatch, vid: int) -> dict:
+    """Make compute vertex vid raise while the returned switch is on."""
+    real, armed = CpuRuntime.run_compute, {"on": True}
+
+    def flaky(self, v, prepared):
+        if armed["on"] and v == vid:
+            raise RuntimeError("injected fault")
+        return real(self, v, prepared)
+
+    monkeypatch.setattr(CpuRuntime, "run_compute", flaky)
+    return armed
+
+
+def test_failure_after_in_place_updates_marks_the_weights_mixed(monkeypatch):
+    """Updates write the weights in their homes: a step failing after some of them ran cannot be rerun."""
+    mg, batch = compiled_mlp()
+    fresh, _ = compiled_mlp()
     want = engine.run(fresh, batch)["loss"]
     home_places = set(mg.homes.values())
     writers = [v for v in mg.serial if mg.vertices[v].kind is Kind.COMPUTE
                and any(p in home_places for p in mg.vertices[v].writes.values())]
     assert len(writers) > 1
-    real, armed = CpuRuntime.run_compute, {"on": True}
-
-    def flaky(self, vid, prepared):
-        if armed["on"] and vid == writers[-1]:
-            raise RuntimeError("injected fault")
-        return real(self, vid, prepared)
-
-    monkeypatch.setattr(CpuRuntime, "run_compute", flaky)
+    armed = fail_at(monkeypatch, writers[-1])
     with pytest.raises(VertexError, match="injected fault") as info:
         engine.run(mg, batch, ordering="deterministic")
     assert any("mix steps 0 and 1" in note for note in info.value.__notes__)
@@ -276,30 +283,10 @@ def test_failure_after_in_place_updates_marks_the_weights_mixed(monkeypatch):
 
 
 def test_failure_before_any_update_leaves_the_weights_as_they_were(monkeypatch):
-    from turnip.bench.models.mlp import MLP
-    from turnip.engine.cpu import CpuRuntime
-
-    from turnip import memgraph
-
-    torch.manual_seed(0)
-    model = MLP(8, 16, 4, depth=4)
-    batch = (torch.randn(16, 8), torch.randn(16, 4))
-
-    def loss_fn(m, b):
-        return torch.nn.functional.mse_loss(m(b[0]), b[1])
-
-    mg = memgraph.compile(model, loss_fn, batch, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                          budget=1.0, device="cpu")
+    mg, batch = compiled_mlp()
     before = mg.state_dict()  # the compiled weights
-    first = mg.serial[next(i for i, v in enumerate(mg.serial) if mg.vertices[v].kind is Kind.COMPUTE)]
-    real, armed = CpuRuntime.run_compute, {"on": True}
-
-    def flaky(self, vid, prepared):
-        if armed["on"] and vid == first:
-            raise RuntimeError("injected fault")
-        return real(self, vid, prepared)
-
-    monkeypatch.setattr(CpuRuntime, "run_compute", flaky)
+    first = next(v for v in mg.serial if mg.vertices[v].kind is Kind.COMPUTE)
+    armed = fail_at(monkeypatch, first)
     with pytest.raises(VertexError, match="injected fault"):
         engine.run(mg, batch, ordering="deterministic")
     after_failure = mg.state_dict()
