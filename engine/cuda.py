@@ -20,6 +20,7 @@ compute is ready instead of queueing behind a slow copy.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import time
@@ -162,10 +163,8 @@ class CudaRuntime(Runtime):
     def __del__(self) -> None:
         # a MemGraph dropped without release(): its storage returns to the heap right after this, and a
         # later registration of the same addresses would fail ("already registered")
-        try:
+        with contextlib.suppress(Exception):  # at interpreter exit the CUDA runtime may already be gone
             self._unpin()
-        except Exception:  # noqa: BLE001 - at interpreter exit the CUDA runtime may already be gone
-            pass
 
     def device_records(self, records: list, origin: float) -> list:
         """Replace host-side times by when each vertex ran on the GPU (the step has synchronized)."""

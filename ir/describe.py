@@ -80,10 +80,11 @@ def dump(mg: MemGraph, limit: int = 40) -> str:
     vertices of its serial order with their places and predecessors."""
     kinds = Counter(v.kind.value for v in mg.vertices)
     preds = mg.predecessors()
-    lines = [f"MemGraph on {mg.device}: {len(mg.vertices)} vertices "
-             f"({', '.join(f'{n} {k}' for k, n in kinds.most_common())}), {len(mg.edges)} edges; "
-             f"arena {format_bytes(mg.arena_bytes)}, pinned CPU {format_bytes(mg.cpu_bytes)}; "
-             f"planner {mg.plan.planner}"]
+    header = (f"MemGraph on {mg.device}: {len(mg.vertices)} vertices "
+              f"({', '.join(f'{n} {k}' for k, n in kinds.most_common())}), {len(mg.edges)} edges; "
+              f"arena {format_bytes(mg.arena_bytes)}, pinned CPU {format_bytes(mg.cpu_bytes)}; "
+              f"planner {mg.plan.planner}")
+    lines = [header]
     order = mg.serial or list(range(len(mg.vertices)))
     for vid in order[:limit]:
         mv = mg.vertices[vid]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from turnip import memgraph
 from turnip.bench.models.mlp import MLP
 from turnip.ir.describe import describe_vertex, format_task_vertex, format_vertex, short_name
 from turnip.ir.memgraph import Kind
+
+from turnip import memgraph
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import torch
 from synthetic import random_taskgraph
 from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
 from turnip.ir.taskgraph import TaskGraph, ValueKind
-from turnip import memgraph
 from turnip.memgraph import trace
 from turnip.planners.costs import CostModel, DeviceSpec
 from turnip.planners.decode import from_solution, to_plan
@@ -24,7 +23,7 @@ from turnip.planners.memory import TIE_BREAK, Decisions, evaluate, need_times, s
 from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, step_order
 from turnip.planners.solver import solve
 
-from turnip import planners
+from turnip import memgraph, planners
 
 SLOW_LINK = DeviceSpec(name="slow link", h2d=2e6, d2h=2e6)  # transfers cost about as much as compute
 

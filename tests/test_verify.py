@@ -222,7 +222,7 @@ def test_missing_reader_before_in_place_update_is_reported(seed):
 def test_undeclared_in_place_write_is_a_race():
     """Only an op that declares the update (copy_in) may write its output over what it reads."""
     mg = in_place_built(0)
-    mid, old, new = in_place_vertices(mg)[0]
+    mid, _old, _new = in_place_vertices(mg)[0]
     tv = mg.taskgraph.vertices[mg.vertices[mid].task_vertex]
     declared = tv.copy_in
     tv.copy_in = ()
