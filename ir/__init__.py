@@ -10,8 +10,9 @@ the other way, so the flow trace -> plan -> MemGraph -> engine reads in one dire
 
 from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import Edge, Kind, MemGraph, MVertex, Place, Stream
+from turnip.ir.optimizer import OptimizerSpec
 from turnip.ir.plan import CPU, GPU, Plan, Recompute
 from turnip.ir.taskgraph import TaskGraph, TensorRef, Value, ValueKind, Vertex
 
-__all__ = ["CPU", "GPU", "Edge", "InfeasibleBudget", "Kind", "MVertex", "MemGraph", "Place", "Plan", "Recompute",
+__all__ = ["CPU", "GPU", "Edge", "InfeasibleBudget", "Kind", "MVertex", "MemGraph", "OptimizerSpec", "Place", "Plan", "Recompute",
            "Stream", "TaskGraph", "TensorRef", "Value", "ValueKind", "Vertex"]

@@ -2,8 +2,9 @@
 
 Built by ``memgraph.build`` from a TaskGraph and a Plan, checked by
 ``memgraph.verify``, run by ``engine.run``. Every field is plain data, so it
-saves to a file and loads back exactly. The engine's live buffers (arena,
-pinned storage, trained weights) are held beside the data, in the attribute
+saves to a file and loads back exactly (JSON and safetensors, see
+ir/serialize.py). The engine's live buffers (arena, pinned storage, trained
+weights) are held beside the data, in the attribute
 ``runtime`` that ``engine.run`` sets: it is not a field, so equality, repr
 and files never see it. ``print(mg)`` gives one line; ``memgraph.dump(mg)``
 lists vertices.
@@ -11,18 +12,19 @@ lists vertices.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-import io
-import pickle
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from turnip.ir.plan import Plan
-from turnip.ir.taskgraph import TaskGraph
+from turnip.ir import serialize
+from turnip.ir.optimizer import OptimizerSpec
+from turnip.ir.plan import Plan, Recompute
+from turnip.ir.taskgraph import ScalarRef, TaskGraph, TensorRef, Value, ValueKind, Vertex
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = serialize.VERSION
 
 
 class Kind(str, enum.Enum):
@@ -172,24 +174,31 @@ class MemGraph:
 
     # -- files --------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        state = {k: v for k, v in self.__dict__.items() if k != "runtime"}
+        """Write the MemGraph to ``path`` (a zip of ``graph.json`` and ``state.safetensors``, see
+        ir/serialize.py): every field, with its TaskGraph, Plan and optimizer hyperparameters, and
+        the persistent tensors. After engine.run those are the trained weights and optimizer
+        states, and ``stats["step"]`` the steps taken, so a loaded copy continues training; before
+        any run, the compile-time ones. Raises TypeError, naming where (and which TaskGraph vertex),
+        if the graph holds a value the format cannot, before anything is written."""
+        mg = self
         if self.runtime is not None:  # save the trained weights and step count, not the compile-time ones
-            state["initial_state"] = self.runtime.persistent_state(self)
-            state["stats"] = {**self.stats, "step": self.runtime.step}
-        buf = io.BytesIO()
-        pickle.dump({"format": "turnip.memgraph", "version": FORMAT_VERSION, "state": state}, buf,
-                    protocol=pickle.HIGHEST_PROTOCOL)
-        Path(path).write_bytes(buf.getvalue())
+            mg = dataclasses.replace(self, initial_state=self.runtime.persistent_state(self),
+                                     stats={**self.stats, "step": self.runtime.step})
+        serialize.save(mg, path, FILE_TYPES)
+
+
+# What a MemGraph file may name: loading builds these and nothing else.
+FILE_TYPES = (MemGraph, MVertex, Place, Kind, Stream, Edge, Plan, Recompute, TaskGraph, Value, ValueKind, Vertex,
+              TensorRef, ScalarRef, OptimizerSpec)
 
 
 def load(path: str | Path) -> MemGraph:
-    with open(path, "rb") as f:
-        blob = pickle.load(f)
-    if not isinstance(blob, dict) or blob.get("format") != "turnip.memgraph":
-        raise ValueError(f"{path} is not a turnip MemGraph file")
-    if blob["version"] != FORMAT_VERSION:
-        raise ValueError(f"{path} has MemGraph format {blob['version']}, this turnip reads {FORMAT_VERSION}")
-    mg = MemGraph.__new__(MemGraph)
-    mg.__dict__.update(blob["state"])
-    mg.runtime = None
+    """Read a MemGraph written by `MemGraph.save`; it runs like the saved one (from its saved
+    weights and step), with no runtime until the next engine.run. Loading parses JSON and
+    safetensors only, so a file runs no code, whoever wrote it. Raises ValueError naming the path
+    for a file of another format or version (pickled MemGraphs of version 1 included) or a
+    corrupted one."""
+    mg = serialize.load(path, FILE_TYPES)
+    if not isinstance(mg, MemGraph):
+        raise ValueError(f"{path} holds a {type(mg).__name__}, not a MemGraph")  # noqa: TRY004 - a wrong file
     return mg

@@ -10,9 +10,8 @@ scalars eager PyTorch passes them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
+from turnip.ir.optimizer import OptimizerSpec  # re-exported: it moved to ir, where it is saved with the graph
 from turnip.ir.taskgraph import ScalarRef, TaskGraph, TensorRef
 from turnip.kernels.ops import op_name
 from turnip.memgraph.errors import UnsupportedFeature
@@ -24,44 +23,6 @@ _DEFAULTS_REFUSED = {  # option -> value we support; anything else is refused by
     "maximize": False,
     "differentiable": False,
 }
-
-
-@dataclass
-class OptimizerSpec:
-    kind: str  # "sgd" | "adam" | "adamw"
-    groups: list[dict] = field(default_factory=list)  # per param group: lr, betas, eps, weight_decay, momentum, ...
-    initial_step: int = 0  # steps the torch optimizer had already taken
-
-    def scalars(self, step: int) -> dict[str, float]:
-        """Host scalars for the `step`-th update (1-based), as torch.optim computes them."""
-        out: dict[str, float] = {}
-        for g, hp in enumerate(self.groups):
-            lr, wd = hp["lr"], hp["weight_decay"]
-            if self.kind == "sgd":
-                first = step == 1
-                out[f"g{g}.neg_lr"] = -lr
-                out[f"g{g}.weight_decay"] = wd
-                out[f"g{g}.momentum"] = hp["momentum"]
-                # buffers start at -0.0: -0.0 * 0 + grad * 1 == grad.clone() bit for bit
-                out[f"g{g}.buf_scale"] = 0.0 if first else hp["momentum"]
-                out[f"g{g}.grad_scale"] = 1.0 if first else 1 - hp["dampening"]
-            else:
-                beta1, beta2 = hp["betas"]
-                step_f = float(step)  # eager reads the float32 step tensor back as a Python float
-                bias_correction1 = 1 - beta1**step_f
-                bias_correction2 = 1 - beta2**step_f
-                step_size = lr / bias_correction1
-                out[f"g{g}.lr"] = lr
-                out[f"g{g}.beta1"] = beta1
-                out[f"g{g}.one_minus_beta1"] = 1 - beta1
-                out[f"g{g}.beta2"] = beta2
-                out[f"g{g}.one_minus_beta2"] = 1 - beta2
-                out[f"g{g}.bias_correction2_sqrt"] = bias_correction2**0.5
-                out[f"g{g}.eps"] = hp["eps"]
-                out[f"g{g}.neg_step_size"] = -step_size
-                out[f"g{g}.weight_decay"] = wd
-                out[f"g{g}.decay_factor"] = 1 - lr * wd
-        return out
 
 
 def spec_from_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
