@@ -94,6 +94,8 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
     """
     policy = make_policy(ordering, seed)
     leaves = flatten_batch(mg, batch)
+    if mg.optimizer is not None and mg.taskgraph.optimizer is not None:
+        mg.taskgraph.optimizer.follow(mg.optimizer.param_groups)
     runtime = get_runtime(mg)
     runtime.check_consistent()
     counts = stream_counts(runtime.device_type, streams)

@@ -105,6 +105,9 @@ class MemGraph:
 
     # Not a field (ClassVar): engine.run sets it on the instance; None until the first run.
     runtime: ClassVar[LiveState | None] = None
+    # Not a field either: the user's torch optimizer (set by memgraph.compile), whose hyperparameters
+    # engine.run reads before every step, so LR schedulers act as in eager; never saved.
+    optimizer: ClassVar[Any] = None
 
     def __repr__(self) -> str:
         kinds = Counter(v.kind.value for v in self.vertices)

@@ -70,6 +70,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             greedy = make_plan(tg, gpu_budget, cpu_bytes, "greedy", costs=costs, alignment=alignment,
                                **planner_options)
             mg = fastest_simulated([mg, build(tg, greedy, alignment=alignment)], costs, device.type)
+    mg.optimizer = optimizer  # engine.run follows its hyperparameters (LR schedulers)
     mg.initial_state = dict(tg.initial_state)
     mg.names = dict(tg.state_names)
     mg.device = str(device)

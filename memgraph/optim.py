@@ -140,10 +140,9 @@ class UpdateEmitter:
                 news.append(tg.add_value(val.shape, val.stride, val.dtype, val.nbytes))
         refs = [tg.values[v].dense_ref for v in news]
         op = aten._fused_adamw_.default if self.spec.kind == "adamw" else aten._fused_adam_.default
-        hp = self.spec.groups[group]
         tg.add_vertex(op_name(op), (refs[0::3], fixed_grads, refs[1::3], refs[2::3], [], [step] * len(params)),
                       {"lr": s("lr"), "beta1": s("beta1"), "beta2": s("beta2"),
-                       "weight_decay": float(hp["weight_decay"]), "eps": s("eps"), "amsgrad": False,
+                       "weight_decay": s("weight_decay"), "eps": s("eps"), "amsgrad": False,
                        "maximize": False, "grad_scale": None, "found_inf": None},
                       tuple(news), module=self.module, phase="optimizer",
                       copy_in=tuple((old.value, new) for old, new in zip(olds, news)))

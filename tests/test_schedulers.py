@@ -1,0 +1,75 @@
+"""LR schedulers act on a compiled step as on eager: engine.run reads the optimizer's hyperparameters each step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from turnip.bench.models.mlp import MLP
+
+from turnip import engine, memgraph
+
+STEPS = 4
+
+
+def make(seed: int = 0):
+    torch.manual_seed(seed)
+    model = MLP(8, 32, 4, depth=6)
+    batches = [(torch.randn(32, 8), torch.randn(32, 4)) for _ in range(STEPS)]
+    return model, batches
+
+
+def loss_fn(m, b):
+    return torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+
+SCHEDULES = {
+    "adamw_cosine": (lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+                     lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS)),
+    "sgd_step": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                 lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)),
+    "adam_onecycle": (lambda p: torch.optim.Adam(p, lr=1e-2),  # cycles betas[0] as well as lr
+                      lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=STEPS)),
+}
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.5])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_scheduler_steps_match_eager_bitwise(name, budget):
+    make_opt, make_sched = SCHEDULES[name]
+    model, batches = make()
+    eager_model = copy.deepcopy(model)
+    opt = make_opt(eager_model.parameters())
+    sched = make_sched(opt)
+    want = []
+    for b in batches:
+        opt.zero_grad()
+        loss = loss_fn(eager_model, b)
+        loss.backward()
+        opt.step()
+        sched.step()
+        want.append(loss.detach())
+
+    opt = make_opt(model.parameters())
+    sched = make_sched(opt)
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=opt, budget=budget, device="cpu")
+    got = []
+    for k, b in enumerate(batches):
+        got.append(engine.run(mg, b, ordering="deterministic" if k % 2 else "nondeterministic")["loss"])
+        sched.step()
+    assert all(torch.equal(a, w) for a, w in zip(got, want)), f"{got} != {want}"
+    state = mg.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in eager_model.state_dict().items())
+
+
+def test_a_change_the_traced_update_cannot_follow_is_refused():
+    model, batches = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=opt, device="cpu")
+    engine.run(mg, batches[0])
+    opt.param_groups[0]["weight_decay"] = 0.0  # AdamW traced the decay multiply: it cannot vanish
+    with pytest.raises(ValueError, match="weight_decay changed from 0.1 to 0.0"):
+        engine.run(mg, batches[1])
+    opt.param_groups[0]["weight_decay"] = 0.05  # non-zero to non-zero is a scalar: followed
+    engine.run(mg, batches[1])
