@@ -216,6 +216,11 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     if device is None:
         device = next(iter(params.values())).device if params else torch.device("cpu")
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        # tracing onto a CUDA device that does not exist aborts the interpreter inside torch: say so first
+        raise UnsupportedFeature(f"device {str(device)!r} was asked for, but this torch ({torch.__version__}) "
+                                 f"sees no CUDA device; compile with device='cpu' (the CPU backend) or install a "
+                                 f"CUDA build of torch on a machine with a GPU")
     spec = spec_from_optimizer(optimizer) if optimizer is not None else None
     group_of = {}
     if optimizer is not None:

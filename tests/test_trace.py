@@ -4,6 +4,7 @@ import pytest
 import torch
 from cases import OPTIMIZERS, assert_same_state, bf16_autocast, eager_steps, make_case, trainable
 from torch import nn
+from turnip.bench.models.mlp import MLP
 from turnip.ir.taskgraph import ValueKind
 from turnip.memgraph import ReferenceExecutor, UnsupportedFeature
 
@@ -190,3 +191,12 @@ def test_fused_optimizer_matches_eager_fused(kind):
     losses = [runner.run(b)["loss"].item() for b in batches]
     assert losses == [x.item() for x in want_losses]
     assert_same_state(runner.state_dict(), want_state)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_a_clear_error_not_a_crash():
+    model = MLP(4, 8, 2, depth=2)
+    batch = (torch.randn(2, 4), torch.randn(2, 2))
+    with pytest.raises(UnsupportedFeature, match="sees no CUDA device; compile with device='cpu'"):
+        memgraph.compile(model, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), batch,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device="cuda")
