@@ -26,6 +26,7 @@ from turnip.engine.loop import Record, Scheduler, drive
 from turnip.engine.policy import Policy, make_policy
 from turnip.engine.resources import StreamPool, WorkspacePool, stream_counts
 from turnip.ir.memgraph import MemGraph
+from turnip.ir.taskgraph import batch_structure
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def flatten_batch(mg: MemGraph, batch) -> list[torch.Tensor]:
     if len(leaves) != len(expected):
         names = ", ".join(repr(_input_name(v, i)) for i, v in enumerate(expected)) or "none"
         raise BatchError(f"batch has {len(leaves)} leaves, the traced example had {len(expected)} ({names})")
-    if tg.batch_spec is not None and spec != tg.batch_spec:
+    if tg.batch_spec is not None and batch_structure(batch) != tg.batch_spec:
         raise BatchError(f"batch structure {spec} differs from the traced example's {tg.batch_spec}")
     for i, (leaf, value) in enumerate(zip(leaves, expected)):
         want = f"shape {tuple(value.shape)} {_dtype_name(value.dtype)}"
@@ -59,8 +60,12 @@ def flatten_batch(mg: MemGraph, batch) -> list[torch.Tensor]:
             raise BatchError(f"batch input '{name}' (leaf {i}): expected a tensor of {want}, "
                              f"got {type(leaf).__name__}")
         if tuple(leaf.shape) != tuple(value.shape) or leaf.dtype != value.dtype:
+            partial = (leaf.dtype == value.dtype and leaf.dim() == len(value.shape) and leaf.dim() > 0
+                       and tuple(leaf.shape[1:]) == tuple(value.shape[1:]) and leaf.shape[0] < value.shape[0])
+            hint = (" (a last, partial batch? use DataLoader(..., drop_last=True), or compile a MemGraph for "
+                    "this batch size too)") if partial else ""
             raise BatchError(f"batch input '{name}' (leaf {i}): expected {want}, "
-                             f"got {tuple(leaf.shape)} {_dtype_name(leaf.dtype)}")
+                             f"got {tuple(leaf.shape)} {_dtype_name(leaf.dtype)}{hint}")
     return leaves
 
 

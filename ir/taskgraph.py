@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.utils import _pytree as pytree
+
 
 class ValueKind(str, enum.Enum):
     BATCH = "batch"  # user input, copied in each step
@@ -128,6 +130,19 @@ def map_refs(template: Any, fn) -> Any:
     if isinstance(template, dict):
         return {k: map_refs(t, fn) for k, t in template.items()}
     return template
+
+
+def batch_structure(batch: Any):
+    """The pytree structure of a batch with lists read as tuples: a DataLoader yields lists where an
+    example was a tuple, and the two are the same batch."""
+    def as_tuples(x):
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):  # named tuples keep their type
+            return tuple(as_tuples(y) for y in x)
+        if isinstance(x, dict):
+            return {k: as_tuples(v) for k, v in x.items()}
+        return x
+
+    return pytree.tree_flatten(as_tuples(batch))[1]
 
 
 @dataclass

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
-from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind
+from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind, batch_structure
 from turnip.kernels.ops import flatten_returns, is_random, op_name
 from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
 from turnip.memgraph.optim import UpdateEmitter, initial_states, spec_from_optimizer
@@ -224,8 +224,15 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     spec = spec_from_optimizer(optimizer) if optimizer is not None else None
     group_of = {}
     if optimizer is not None:
+        own = {id(p) for p in params.values()}
         for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
+            for k, p in enumerate(group["params"]):
+                if id(p) not in own:
+                    # it would never be updated: the step trains the model's own parameters only
+                    raise UnsupportedFeature(f"the optimizer's param group {gi} holds a tensor of shape "
+                                             f"{tuple(p.shape)} (parameter {k} of the group) that is not a "
+                                             f"parameter of the model given to compile: build the optimizer "
+                                             f"over this model's parameters")
                 group_of[id(p)] = gi
     trainable = {n: p for n, p in params.items() if p.requires_grad and (optimizer is None or id(p) in group_of)}
     frozen = {n: p for n, p in params.items() if n not in trainable}
@@ -267,7 +274,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
 
     tg = TaskGraph(device=device.type)
     tg.optimizer = spec
-    tg.batch_spec = batch_spec
+    tg.batch_spec = batch_structure(example_batch)
     reader = _GraphReader(tg, modules, marks["forward_end"])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     groups = [("param", trainable, ValueKind.PARAMETER), ("param", frozen, ValueKind.FROZEN),

@@ -294,3 +294,17 @@ def test_failure_before_any_update_leaves_the_weights_as_they_were(monkeypatch):
     assert all(torch.equal(before[k], after_failure[k]) for k in before)
     armed["on"] = False
     engine.run(mg, batch)  # nothing was updated: the step simply runs again
+
+
+def test_a_list_batch_is_the_tuple_example_and_a_short_batch_gets_a_hint():
+    """A DataLoader yields lists where the example was a tuple; the last batch may be short."""
+    mg, batch = compiled_mlp()
+    want = engine.run(mg, batch)["loss"]
+    mg.release()
+    assert torch.equal(engine.run(mg, list(batch))["loss"], want)
+    short = (batch[0][:5], batch[1][:5])
+    with pytest.raises(BatchError, match=r"expected shape \(16, 8\) float32, got \(5, 8\) float32 \(a last, "
+                                         r"partial batch\? use DataLoader\(\.\.\., drop_last=True\)"):
+        engine.run(mg, short)
+    with pytest.raises(BatchError, match="batch structure"):
+        engine.run(mg, {"x": batch[0], "y": batch[1]})

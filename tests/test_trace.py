@@ -200,3 +200,12 @@ def test_cuda_without_cuda_is_a_clear_error_not_a_crash():
     with pytest.raises(UnsupportedFeature, match="sees no CUDA device; compile with device='cpu'"):
         memgraph.compile(model, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), batch,
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1), device="cuda")
+
+
+def test_optimizer_over_another_models_parameters_is_refused():
+    model, other = MLP(4, 8, 2, depth=2), MLP(4, 8, 2, depth=2)
+    batch = (torch.randn(2, 4), torch.randn(2, 2))
+    params = list(model.parameters())[:1] + list(other.parameters())[1:2]
+    with pytest.raises(UnsupportedFeature, match=r"param group 0 holds a tensor of shape \(8,\) \(parameter 1"):
+        memgraph.trace(model, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), batch,
+                       optimizer=torch.optim.SGD(params, lr=0.1))
