@@ -149,7 +149,12 @@ class PreparedVertex:
         self.args = _materialize(vertex.args, resolve_own, {}) if not self.dynamic else None
         self.kwargs = _materialize(vertex.kwargs, resolve_own, {}) if not self.dynamic else None
         if self.out_names and not self.dynamic:
-            self.kwargs.update(zip(self.out_names, self.outputs))
+            self.kwargs.update(self._out_kwargs())
+
+    def _out_kwargs(self) -> dict:
+        if self.out_names[0].startswith("*"):  # one out argument taking every output as a list
+            return {self.out_names[0][1:]: list(self.outputs)}
+        return dict(zip(self.out_names, self.outputs))
 
     def __call__(self, scalars: Mapping[str, float], rng_state: torch.Tensor | None, device: torch.device) -> None:
         if self.skip:
@@ -161,7 +166,7 @@ class PreparedVertex:
             args = _materialize(self.vertex.args, self._resolve, scalars)
             kwargs = _materialize(self.vertex.kwargs, self._resolve, scalars)
             if self.out_names:
-                kwargs.update(zip(self.out_names, self.outputs))
+                kwargs.update(self._out_kwargs())
         if self.direct is not None:
             self.direct(self.outputs[0], args, kwargs)
             return

@@ -46,13 +46,16 @@ UNINITIALIZED = frozenset({"aten::empty_like", "aten::empty.memory_format", "ate
 
 @functools.cache
 def out_variant(name: str) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | None:
-    """The `out=` overload of a functional op and its out argument names (in return order), if any."""
+    """The `out=` overload of a functional op and its out argument names (in return order), if any.
+    An op returning a list of tensors (the _foreach_ family) has one out argument taking the list;
+    its name is marked with a leading '*'."""
     op = resolve_op(name)
     want = [(a.name, str(a.type)) for a in op._schema.arguments]
     packet = getattr(getattr(torch.ops, op.namespace), op._schema.name.split("::")[1])
     for overload in packet.overloads():
         candidate = getattr(packet, overload)
-        outs = [a.name for a in candidate._schema.arguments if a.is_out]
+        outs = [("*" if str(a.type).startswith("List[") or str(a.type).endswith("[]") else "") + a.name
+                for a in candidate._schema.arguments if a.is_out]
         if outs and [(a.name, str(a.type)) for a in candidate._schema.arguments if not a.is_out] == want:
             if len(outs) == len(op._schema.returns):
                 return candidate, tuple(outs)

@@ -29,7 +29,8 @@ def default_device() -> str:
 def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
             budget: float | str | None = None, device: str | torch.device | None = None,
             planner: str = "auto", cpu_budget: int | str | None = None, alignment: int | None = None,
-            fused_optimizer: bool | None = None, **planner_options) -> MemGraph:
+            fused_optimizer: bool | None = None, max_grad_norm: float | None = None, norm_type: float = 2.0,
+            **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
 
     budget: bytes, a size string ("6GiB"), or a fraction of the unplanned peak
@@ -39,11 +40,14 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     BuildMemGraph evict under pressure).
     fused_optimizer: Adam/AdamW as one fused kernel per parameter (default on CUDA); off, the
     exact single-tensor torch.optim update (the CPU default, bitwise equal to eager).
+    max_grad_norm, norm_type: clip the gradients before the update as
+    torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type) would.
     """
     device = torch.device(device or default_device())
     alignment = alignment or (256 if device.type == "cuda" else 64)
     started = time.perf_counter()
-    tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device, fused_optimizer=fused_optimizer)
+    tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device, fused_optimizer=fused_optimizer,
+               max_grad_norm=max_grad_norm, norm_type=norm_type)
     costs = planner_options.pop("costs", None)
     if planner != "none":  # op times and workspace first: the unplanned peak includes workspace
         costs = costs if costs is not None else default_costs(tg)

@@ -203,8 +203,13 @@ class _GraphReader:
 
 
 def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
-          device: str | torch.device | None = None, fused_optimizer: bool | None = None) -> TaskGraph:
+          device: str | torch.device | None = None, fused_optimizer: bool | None = None,
+          max_grad_norm: float | None = None, norm_type: float = 2.0) -> TaskGraph:
     """Trace forward, loss, backward and the optimizer update of one training step.
+
+    max_grad_norm: clip the gradients to this total norm before the update, with the arithmetic of
+    ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type)`` (its total norm, then every
+    gradient times min(1, max_norm / (norm + 1e-6))).
 
     `loss_fn(model, batch)` must return a scalar tensor. Without an optimizer,
     the gradients become step outputs named "grad:<parameter name>".
@@ -259,6 +264,8 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
                                      f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
         marks["forward_end"] = _ModuleTracker.node_count()
         grads = torch.autograd.grad(loss, train, allow_unused=True) if train else ()
+        if max_grad_norm is not None:
+            grads = _clipped(grads, max_grad_norm, norm_type)
         marks["has_grad"] = [g is not None for g in grads]
         return [loss] + [g for g in grads if g is not None]
 
@@ -344,6 +351,18 @@ def _step_counter(tg: TaskGraph, spec) -> TensorRef:
     new = emitter.emit_in_place(torch.ops.aten.add_.Tensor, tg.values[old].dense_ref, 1.0)
     tg.bindings[old] = new.value
     return new
+
+
+def _clipped(grads, max_norm: float, norm_type: float):
+    """clip_grad_norm_ on the gradients as values: torch's own total norm, then the scale it applies.
+    Per tensor rather than as one _foreach_ op over every gradient, so no step needs all gradients
+    in memory at once (small budgets); on the CPU _foreach_ ops run exactly these per-tensor kernels."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    total = torch.nn.utils.get_total_norm(present, norm_type, foreach=False)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return tuple(None if g is None else g * coef for g in grads)
 
 
 FUSED_GROUP_BYTES = 64 << 20  # parameter bytes one multi-tensor update vertex covers at most
