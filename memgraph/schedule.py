@@ -26,7 +26,7 @@ def aligned(nbytes: int, alignment: int) -> int:
 
 def _inputs(vertex) -> list[int]:
     """vertex.inputs(), with a fast path for the common flat argument tuple."""
-    if not vertex.kwargs and all(type(a) is TensorRef for a in vertex.args):
+    if not vertex.kwargs and not vertex.copy_in and all(type(a) is TensorRef for a in vertex.args):
         return list(dict.fromkeys(a.value for a in vertex.args))
     return vertex.inputs()
 
