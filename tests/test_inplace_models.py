@@ -53,3 +53,31 @@ def test_in_place_relu_trains_like_eager(make, budget):
     assert all(torch.equal(a, w) for a, w in zip(got, want)), f"{got} != {want}"
     state = mg.state_dict()
     assert all(torch.equal(state[k], v) for k, v in eager_model.state_dict().items())
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.5])
+def test_t5_with_its_in_place_position_bias_trains_like_eager(budget):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                num_heads=4, dropout_rate=0.0, relative_attention_num_buckets=8,
+                                decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    batches = [(torch.randint(1, 64, (2, 12)), torch.randint(1, 64, (2, 8))) for _ in range(STEPS)]
+
+    def loss_fn(m, b):
+        return m(input_ids=b[0], labels=b[1]).loss
+
+    eager_model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
+    want = []
+    for b in batches:
+        opt.zero_grad()
+        loss = loss_fn(eager_model, b)
+        loss.backward()
+        opt.step()
+        want.append(loss.detach())
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                          budget=budget, device="cpu")
+    got = [engine.run(mg, b)["loss"] for b in batches]
+    assert all(torch.equal(a, w) for a, w in zip(got, want)), f"{got} != {want}"
