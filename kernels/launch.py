@@ -140,8 +140,12 @@ class PreparedVertex:
         self.skip = vertex.op in UNINITIALIZED and not vertex.copy_in
         self.out_names: tuple[str, ...] = ()
         self.direct = DIRECT.get(vertex.op) if vertex.outputs and vertex.outputs[0] >= 0 else None
+        # Reductions to a scalar run functionally and are copied: several of their out= forms
+        # (huber_loss, soft_margin_loss, binary_cross_entropy) resize the 0-dim out to the input's
+        # shape and write past it, over whatever the arena holds next (tests/test_kernels_out.py).
+        scalar_result = bool(self.outputs) and all(o is None or o.dim() == 0 for o in self.outputs)
         variant = out_variant(vertex.op) if writes_in_place(vertex) and not (
-            vertex.copy_in or self.skip or self.direct) else None
+            vertex.copy_in or self.skip or self.direct or scalar_result) else None
         if variant is not None:
             self.op, self.out_names = variant
         self.dynamic = _has_scalar_refs(vertex.args) or _has_scalar_refs(vertex.kwargs)
