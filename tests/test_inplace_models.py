@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
+from cases import assert_same_state, eager_steps
 from torch import nn
 
 from turnip import engine, memgraph
 
 STEPS = 3
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
 
 
 def mlp():
@@ -35,24 +42,15 @@ def test_in_place_relu_trains_like_eager(make, budget):
     def loss_fn(m, b):
         return torch.nn.functional.mse_loss(m(b[0]), b[1])
 
-    eager_model = copy.deepcopy(model)
-    opt = torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9)
-    want = []
-    for b in batches:
-        opt.zero_grad()
-        loss = loss_fn(eager_model, b)
-        loss.backward()
-        opt.step()
-        want.append(loss.detach())
-    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=torch.optim.SGD(model.parameters(), lr=0.1,
-                          momentum=0.9), budget=budget, device="cpu")
+    want, want_state = eager_steps(model, loss_fn, batches, sgd)
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=sgd(model.parameters()), budget=budget,
+                          device="cpu")
     assert memgraph.verify(mg) == []
     assert any(v.op == "aten::relu_" for v in mg.taskgraph.vertices)
     got = [engine.run(mg, b, ordering="deterministic" if k % 2 else "nondeterministic")["loss"]
            for k, b in enumerate(batches)]
     assert all(torch.equal(a, w) for a, w in zip(got, want)), f"{got} != {want}"
-    state = mg.state_dict()
-    assert all(torch.equal(state[k], v) for k, v in eager_model.state_dict().items())
+    assert_same_state(mg.state_dict(), want_state)
 
 
 @pytest.mark.parametrize("budget", [1.0, 0.5])
@@ -68,16 +66,8 @@ def test_t5_with_its_in_place_position_bias_trains_like_eager(budget):
     def loss_fn(m, b):
         return m(input_ids=b[0], labels=b[1]).loss
 
-    eager_model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
-    want = []
-    for b in batches:
-        opt.zero_grad()
-        loss = loss_fn(eager_model, b)
-        loss.backward()
-        opt.step()
-        want.append(loss.detach())
-    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                          budget=budget, device="cpu")
+    want, _ = eager_steps(model, loss_fn, batches, adamw)
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(model.parameters()), budget=budget,
+                          device="cpu")
     got = [engine.run(mg, b)["loss"] for b in batches]
     assert all(torch.equal(a, w) for a, w in zip(got, want)), f"{got} != {want}"
