@@ -68,12 +68,15 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             mg = keep_all
             mg.plan.gpu_budget, mg.plan.cpu_budget = gpu_budget, cpu_bytes
     else:
-        plan = make_plan(tg, gpu_budget, cpu_bytes, planner, costs=costs, alignment=alignment, **planner_options)
-        mg = build(tg, plan, alignment=alignment)
-        if planner == "auto" and device.type == "cuda" and plan.planner == "ilp":
-            greedy = make_plan(tg, gpu_budget, cpu_bytes, "greedy", costs=costs, alignment=alignment,
-                               **planner_options)
-            mg = fastest_simulated([mg, build(tg, greedy, alignment=alignment)], costs, device.type)
+        if planner == "auto" and device.type == "cuda":
+            candidates = planners.plan_candidates(tg, gpu_budget, cpu_bytes, costs=costs, alignment=alignment,
+                                                  **planner_options)
+            mgs = [build(tg, plan, alignment=alignment) for plan in candidates]
+            mg = mgs[0] if len(mgs) == 1 else fastest_simulated(mgs, costs, device.type)
+        else:
+            plan = make_plan(tg, gpu_budget, cpu_bytes, planner, costs=costs, alignment=alignment,
+                             **planner_options)
+            mg = build(tg, plan, alignment=alignment)
     mg.optimizer = optimizer  # engine.run follows its hyperparameters (LR schedulers)
     mg.initial_state = dict(tg.initial_state)
     mg.names = dict(tg.state_names)

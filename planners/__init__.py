@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.plan import CPU, GPU, Plan, Recompute
-from turnip.planners.driver import run_plan
+from turnip.planners.driver import plan_candidates, run_plan
 
-__all__ = ["CPU", "GPU", "InfeasibleBudget", "Plan", "Recompute", "plan"]
+__all__ = ["CPU", "GPU", "InfeasibleBudget", "Plan", "Recompute", "plan", "plan_candidates"]
 
 
 def plan(taskgraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",

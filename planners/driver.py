@@ -37,6 +37,13 @@ def make_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, 
 
 def run_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
              time_limit: float = 30.0, costs: CostModel | None = None, **opts) -> Plan:
+    return plan_candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, **opts)[0]
+
+
+def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
+                    time_limit: float = 30.0, costs: CostModel | None = None, **opts) -> list[Plan]:
+    """The plan run_plan returns first; when that is the ILP's, the greedy plan it started from
+    second (from the same problem and greedy run), so a caller can compare them built."""
     if method not in METHODS:
         raise ValueError(f"unknown planner method {method!r} (choose from {', '.join(METHODS)})")
     unknown = set(opts) - set(_MODEL_OPTS) - set(_SOLVER_OPTS)
@@ -55,7 +62,7 @@ def run_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, meth
     if method == "greedy" or (g_ev.feasible and keep_all):
         # keeping everything on the GPU is optimal whenever it fits: nothing to solve
         stats["reason"] = "greedy requested" if method == "greedy" else "everything fits"
-        return _finish(problem, g_dec, g_ev, "greedy", stats)
+        return [_finish(problem, g_dec, g_ev, "greedy", stats)]
 
     solver_opts = {k: v for k, v in opts.items() if k in _SOLVER_OPTS and v is not None}
     solver_opts.setdefault("gap", 5e-3)  # the cost model itself is not more accurate than this
@@ -70,19 +77,19 @@ def run_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, meth
     if result.values is None:
         stats["fallback"] = f"ilp found no solution ({result.status})"
         log.warning("ILP found no solution (%s after %.1fs); using the greedy plan", result.status, result.seconds)
-        return _finish(problem, g_dec, g_ev, "greedy", stats)
+        return [_finish(problem, g_dec, g_ev, "greedy", stats)]
     dec = from_solution(problem, f, result.values)
     ev = evaluate(problem, dec)
     if not ev.feasible:
         log.warning("ILP solution fails the exact check (%s); using the greedy plan", ev.reason)
         stats["fallback"] = f"ilp solution rejected: {ev.reason}"
-        return _finish(problem, g_dec, g_ev, "greedy", stats)
+        return [_finish(problem, g_dec, g_ev, "greedy", stats)]
     stats["fits_model"] = True
     if g_ev.feasible and g_ev.objective < ev.objective:  # cannot happen with the warm start; belt and braces
         stats["fallback"] = "greedy plan faster than the ILP's"
-        return _finish(problem, g_dec, g_ev, "greedy", stats)
+        return [_finish(problem, g_dec, g_ev, "greedy", stats)]
     stats["improvement_over_greedy"] = (g_ev.time / ev.time - 1.0) if g_ev.feasible and ev.time > 0 else None
-    return _finish(problem, dec, ev, "ilp", stats)
+    return [_finish(problem, dec, ev, "ilp", stats), _finish(problem, g_dec, g_ev, "greedy", dict(stats))]
 
 
 def _finish(problem: Problem, dec: Decisions, ev: Evaluation, planner: str, stats: dict) -> Plan:

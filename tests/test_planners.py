@@ -621,3 +621,11 @@ def test_recomputing_plans_run_like_eager(how):
     losses = [engine.run(mg, b)["loss"].item() for b in batches]
     assert losses == [x.item() for x in want_losses]
     assert_same_state(mg.state_dict(), want_state)
+
+
+def test_candidates_are_the_ilp_plan_then_the_greedy_plan_it_started_from(small_gpt):
+    tg, peak = small_gpt
+    first, *rest = planners.plan_candidates(tg, int(0.4 * peak), alignment=64)
+    assert first.planner == "ilp" and [p.planner for p in rest] == ["greedy"]
+    assert rest[0].predicted_time >= first.predicted_time  # the ILP starts from the greedy plan
+    assert first.predicted_time == planners.plan(tg, int(0.4 * peak), alignment=64).predicted_time
