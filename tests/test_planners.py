@@ -181,15 +181,24 @@ def test_enough_small_host_problems():
     assert {OFFLOAD, RECOMPUTE} <= chosen
 
 
-@pytest.mark.parametrize("name,problem", SMALL, ids=[n for n, _ in SMALL])
-def test_ilp_matches_brute_force(name, problem):
+def ilp_beside_brute_force(name, problem):
+    """(brute-force optimum, ILP evaluation, solver result, formulation); None when neither finds a plan."""
     want = brute_force(problem)
     got, result, f = ilp_optimum(problem, warm=(hash(name) % 2 == 0))
     if want is None:
         assert got is None or not got.feasible, f"{name}: ILP found a plan the brute force says cannot exist"
-        return
+        return None
     assert got is not None and got.feasible, f"{name}: ILP found no plan ({result.status}); brute force {want[0]}"
-    assert got.objective == pytest.approx(want[0], rel=1e-7, abs=1e-12)
+    return want[0], got, result, f
+
+
+@pytest.mark.parametrize("name,problem", SMALL, ids=[n for n, _ in SMALL])
+def test_ilp_matches_brute_force(name, problem):
+    found = ilp_beside_brute_force(name, problem)
+    if found is None:
+        return
+    want, got, result, f = found
+    assert got.objective == pytest.approx(want, rel=1e-7, abs=1e-12)
     # the solver's objective is the evaluator's (in milliseconds)
     assert result.objective * f.time_unit == pytest.approx(got.objective, rel=1e-6, abs=1e-12)
 
@@ -204,14 +213,12 @@ HIGHS_ABS_GAP = 1e-6
 def test_ilp_matches_brute_force_with_host_cost(name, problem):
     """The ILP's host rows encode evaluate's host time: same optimum as the brute force (to the
     solver's absolute gap), and the solver's objective is exactly evaluate's for its solution."""
-    want = brute_force(problem)
-    got, result, f = ilp_optimum(problem, warm=(hash(name) % 2 == 0))
-    if want is None:
-        assert got is None or not got.feasible, f"{name}: ILP found a plan the brute force says cannot exist"
+    found = ilp_beside_brute_force(name, problem)
+    if found is None:
         return
-    assert got is not None and got.feasible, f"{name}: ILP found no plan ({result.status}); brute force {want[0]}"
-    assert got.objective >= want[0] * (1 - 1e-9)
-    assert got.objective == pytest.approx(want[0], rel=1e-7, abs=HIGHS_ABS_GAP * f.time_unit)
+    want, got, result, f = found
+    assert got.objective >= want * (1 - 1e-9)
+    assert got.objective == pytest.approx(want, rel=1e-7, abs=HIGHS_ABS_GAP * f.time_unit)
     assert result.objective * f.time_unit == pytest.approx(got.objective, rel=1e-6, abs=1e-12)
     # the window times the solver settled on are evaluate's, host-bound windows included
     solved = np.array([result.values[t] for t in f.T]) * f.time_unit
