@@ -19,14 +19,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_flatten
 from turnip.engine.chrome_trace import write_trace
 from turnip.engine.errors import BatchError, EngineError
 from turnip.engine.loop import Record, Scheduler, drive
 from turnip.engine.policy import Policy, make_policy
 from turnip.engine.resources import StreamPool, WorkspacePool, stream_counts
 from turnip.ir.memgraph import MemGraph
-from turnip.ir.taskgraph import batch_structure
+from turnip.ir.taskgraph import flatten_batch_structure
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +45,12 @@ def _input_name(value, leaf: int) -> str:
 def flatten_batch(mg: MemGraph, batch) -> list[torch.Tensor]:
     """The batch's tensor leaves, in the traced order, after checking them against the example."""
     tg = mg.taskgraph
-    leaves, spec = tree_flatten(batch)
+    leaves, spec = flatten_batch_structure(batch)
     expected = [tg.values[v] for v in tg.batch_inputs]
     if len(leaves) != len(expected):
         names = ", ".join(repr(_input_name(v, i)) for i, v in enumerate(expected)) or "none"
         raise BatchError(f"batch has {len(leaves)} leaves, the traced example had {len(expected)} ({names})")
-    if tg.batch_spec is not None and batch_structure(batch) != tg.batch_spec:
+    if tg.batch_spec is not None and spec != tg.batch_spec:
         raise BatchError(f"batch structure {spec} differs from the traced example's {tg.batch_spec}")
     for i, (leaf, value) in enumerate(zip(leaves, expected)):
         want = f"shape {tuple(value.shape)} {_dtype_name(value.dtype)}"

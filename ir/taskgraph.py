@@ -132,9 +132,9 @@ def map_refs(template: Any, fn) -> Any:
     return template
 
 
-def batch_structure(batch: Any):
-    """The pytree structure of a batch with lists read as tuples: a DataLoader yields lists where an
-    example was a tuple, and the two are the same batch."""
+def flatten_batch_structure(batch: Any) -> tuple[list, Any]:
+    """A batch's leaves and its pytree structure with lists read as tuples: a DataLoader yields
+    lists where an example was a tuple, and the two are the same batch."""
     def as_tuples(x):
         if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):  # named tuples keep their type
             return tuple(as_tuples(y) for y in x)
@@ -142,7 +142,7 @@ def batch_structure(batch: Any):
             return {k: as_tuples(v) for k, v in x.items()}
         return x
 
-    return pytree.tree_flatten(as_tuples(batch))[1]
+    return pytree.tree_flatten(as_tuples(batch))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
-from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind, batch_structure
+from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind, flatten_batch_structure
 from turnip.kernels.ops import flatten_returns, is_random, op_name
 from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
 from turnip.memgraph.optim import UpdateEmitter, initial_states, spec_from_optimizer
@@ -281,7 +281,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
 
     tg = TaskGraph(device=device.type)
     tg.optimizer = spec
-    tg.batch_spec = batch_structure(example_batch)
+    tg.batch_spec = flatten_batch_structure(example_batch)[1]
     reader = _GraphReader(tg, modules, marks["forward_end"])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     groups = [("param", trainable, ValueKind.PARAMETER), ("param", frozen, ValueKind.FROZEN),
