@@ -42,8 +42,9 @@ def run_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, meth
 
 def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
                     time_limit: float = 30.0, costs: CostModel | None = None, **opts) -> list[Plan]:
-    """The plan run_plan returns first; when that is the ILP's, the greedy plan it started from
-    second (from the same problem and greedy run), so a caller can compare them built."""
+    """The plan run_plan returns first; when that is the ILP's and the greedy plan it started from
+    fits the model too, that one second (same problem, same greedy run), so a caller can compare
+    them built."""
     if method not in METHODS:
         raise ValueError(f"unknown planner method {method!r} (choose from {', '.join(METHODS)})")
     unknown = set(opts) - set(_MODEL_OPTS) - set(_SOLVER_OPTS)
@@ -89,7 +90,8 @@ def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = Non
         stats["fallback"] = "greedy plan faster than the ILP's"
         return [_finish(problem, g_dec, g_ev, "greedy", stats)]
     stats["improvement_over_greedy"] = (g_ev.time / ev.time - 1.0) if g_ev.feasible and ev.time > 0 else None
-    return [_finish(problem, dec, ev, "ilp", stats), _finish(problem, g_dec, g_ev, "greedy", dict(stats))]
+    best = _finish(problem, dec, ev, "ilp", stats)
+    return [best, _finish(problem, g_dec, g_ev, "greedy", dict(stats))] if g_ev.feasible else [best]
 
 
 def _finish(problem: Problem, dec: Decisions, ev: Evaluation, planner: str, stats: dict) -> Plan:
