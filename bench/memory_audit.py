@@ -18,6 +18,8 @@ import logging
 import torch
 from turnip.bench.models.sizes import make_workload
 from turnip.bench.results import result_path, run_metadata
+from turnip.memgraph.packing import stays
+from turnip.memgraph.schedule import Schedule
 
 from turnip import engine, memgraph
 
@@ -41,6 +43,63 @@ def live_at_peak(snapshot: dict) -> tuple[int, list[dict]]:
     return peak, at_peak
 
 
+def planned_peak(mg, count: int = 15) -> dict:
+    """Where the keep-everything schedule's live bytes peak: the step, its op, and the largest values
+    live there (each with the op and phase producing it), to set beside eager's peak by phase."""
+    tg, plan = mg.taskgraph, mg.plan
+    graph, order = plan.expand(tg)
+    sched = Schedule(graph, order, plan, mg.alignment)
+    items = stays(graph, sched)
+    delta = [0] * (len(sched.steps) + 1)
+    for stay in items:
+        delta[stay.first] += stay.size
+        delta[stay.last + 1] -= stay.size
+    live, peak, at = 0, -1, 0
+    for s in range(len(sched.steps)):
+        live += delta[s]
+        if live > peak:
+            peak, at = live, s
+    vertex = graph.vertices[sched.task_vertex_of(graph, at)]
+    top = sorted((st for st in items if st.first <= at <= st.last), key=lambda st: -st.size)[:count]
+
+    def producer(v: int) -> str:
+        p = graph.values[v].producer
+        return f"{graph.vertices[p].op} [{graph.vertices[p].phase}] {graph.vertices[p].module}" if p >= 0 else "input"
+
+    return {"homes_bytes": sched.home_bytes, "live_peak_bytes": peak, "peak_step": at, "steps": len(sched.steps),
+            "peak_op": f"{vertex.op} [{vertex.phase}] {vertex.module}",
+            "largest_live": [{"bytes": st.size, "value": st.values[0], "producer": producer(st.values[0])} for st in top]}
+
+
+def eager_peaks(workload, batch) -> dict:
+    """Eager's allocated peak in each phase of a step (after a warm-up step), and between steps."""
+    model = workload.fresh_model("cuda")
+    opt = workload.optimizer([p for p in model.parameters() if p.requires_grad])
+    phases = {}
+
+    def step(record: bool):
+        def mark(name):
+            torch.cuda.synchronize()
+            if record:
+                phases[name] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        opt.zero_grad()
+        mark("before")
+        loss = workload.loss_fn(model, batch)
+        mark("forward")
+        loss.backward()
+        mark("backward")
+        opt.step()
+        mark("optimizer")
+
+    step(False)
+    step(True)
+    phases["between_steps"] = torch.cuda.memory_allocated()
+    del model, opt
+    torch.cuda.empty_cache()
+    return phases
+
+
 def frame_of(event: dict) -> str:
     frames = [f for f in event.get("frames", []) if f.get("filename", "").endswith(".py")]
     for f in frames:
@@ -59,6 +118,8 @@ def main(argv=None) -> int:
     batch = workload.batch_on("cuda")
     optimizer = workload.optimizer([p for p in workload.model.parameters() if p.requires_grad])
     budget = None if args.budget == "none" else float(args.budget)
+    eager = eager_peaks(workload, batch)
+    log.info("eager peaks by phase: %s", eager)
     mg = memgraph.compile(workload.model, workload.loss_fn, batch, optimizer=optimizer, budget=budget, device="cuda")
     engine.run(mg, batch)
     torch.cuda.synchronize()
@@ -78,7 +139,8 @@ def main(argv=None) -> int:
               "gpu_budget": mg.plan.gpu_budget, "arena_bytes": arena, "unplanned_peak": mg.stats.get("unplanned_peak"),
               "max_workspace": max((v.workspace for v in mg.taskgraph.vertices), default=0),
               "allocated_between_steps": before, "peak_allocated_in_step": torch.cuda.max_memory_allocated(),
-              "persistent_blocks_besides_arena": persistent[:20], "allocated_during_step_at_peak": step_blocks[:20]}
+              "persistent_blocks_besides_arena": persistent[:20],
+              "eager_peaks_by_phase": eager, "planned_peak": planned_peak(mg), "allocated_during_step_at_peak": step_blocks[:20]}
     path = result_path(f"memory_audit_{args.model}.json")
     path.write_text(json.dumps(result, indent=2, default=str))
     log.info("%s", json.dumps({k: v for k, v in result.items() if k not in ("commit", "date")}, indent=1, default=str))

@@ -58,17 +58,27 @@ def breakdown(mg, trace_file: Path) -> dict:
             "ms_by_phase": dict(by_phase), "top_ops_ms": dict(by_op.most_common(25))}
 
 
-def eager_op_times(step, count: int = 30) -> dict:
-    """GPU milliseconds per ATen op of one eager step (torch.profiler, self time), to set beside turnip's."""
+def kernel_profile(step, count: int = 30) -> dict:
+    """Kernel time of one step from torch.profiler (CUPTI), independent of how the host launched it:
+    GPU milliseconds per ATen op (self time), their sum, the number of kernels, and the step's wall
+    time under the profiler. Sum of kernels well below wall = the GPU waited on the host."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         step()
         torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     rows = [(e.key, e.self_device_time_total / 1e3) for e in prof.key_averages() if e.key.startswith("aten::")]
     rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])[:count]
-    return dict(rows)
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in kernels):
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return {"wall_ms": wall * 1e3, "kernel_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1e3,
+            "gpu_busy_ms": busy / 1e3, "kernels": len(kernels), "ops_ms": dict(rows)}
 
 
 def top_workspace(mg, count: int = 10) -> list[dict]:
@@ -96,10 +106,12 @@ def main(argv=None) -> int:
     turnip_s = timed(lambda: engine.run(mg, batch), args.steps)
     trace_file = result_path(f"profile_{args.model}_trace.json")
     engine.run(mg, batch, trace=trace_file)
+    turnip_kernels = kernel_profile(lambda: engine.run(mg, batch))
     result = {"benchmark": "profile_step", **run_metadata(), "model": args.model, "budget": args.budget,
               "turnip_step_ms": [t * 1e3 for t in turnip_s], "summary": mg.summary(),
               "unplanned_peak": mg.stats.get("unplanned_peak"), "arena_bytes": mg.arena_bytes,
-              "top_workspace": top_workspace(mg), "breakdown": breakdown(mg, trace_file)}
+              "top_workspace": top_workspace(mg), "breakdown": breakdown(mg, trace_file),
+              "turnip_kernels": turnip_kernels}
     mg.release()
     trace_file.unlink()
     model = workload.fresh_model("cuda")
@@ -112,9 +124,13 @@ def main(argv=None) -> int:
 
     eager_step()
     result["eager_step_ms"] = [t * 1e3 for t in timed(eager_step, args.steps)]
-    result["eager_ops_ms"] = eager_op_times(eager_step)
+    result["eager_kernels"] = kernel_profile(eager_step)
     log.info("turnip %.1f ms, eager %.1f ms; breakdown %s", statistics.median(result["turnip_step_ms"]),
              statistics.median(result["eager_step_ms"]), json.dumps(result["breakdown"], indent=1))
+    for name in ("turnip_kernels", "eager_kernels"):
+        k = result[name]
+        log.info("%s: wall %.1f ms, kernels %.1f ms (%d), GPU busy %.1f ms", name, k["wall_ms"], k["kernel_ms"],
+                 k["kernels"], k["gpu_busy_ms"])
     path = result_path(f"profile_{args.model}.json")
     path.write_text(json.dumps(result, indent=2, default=str))
     log.info("wrote %s", path)
