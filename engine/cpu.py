@@ -117,13 +117,13 @@ class CpuRuntime(Runtime):
             stream, dev = self.graph.keys[item.key]
             lane = Lane(f"turnip-cpu{dev}-{stream.value}-{item.instance}")
             self._lanes[(item.key, item.instance)] = lane
-        work = self.run_vertex
+        work = self.run_unit
         if self.fuzz_seed is not None:
             # random priorities only reorder vertices that are ready together; random delays
             # also change which finish first, so a missing edge shows up as a race
             delay = random.Random(hash((self.fuzz_seed, item.vertex))).random() * FUZZ_DELAY_S
 
-            def work(vid, _run=self.run_vertex, _delay=delay):
+            def work(vid, _run=self.run_unit, _delay=delay):
                 time.sleep(_delay)
                 _run(vid)
 
@@ -134,8 +134,8 @@ class CpuRuntime(Runtime):
         super().close()
 
     # -- vertices (run on worker threads) ------------------------------------------------
-    def run_vertex(self, vid: int) -> None:
-        self.execute(self._mg, vid)
+    def run_unit(self, unit: int) -> None:
+        self.execute_unit(self._mg, unit)
 
     def run_compute(self, vid: int, prepared: PreparedVertex) -> None:
         ctx = self._ctx

@@ -6,6 +6,10 @@ each stream's FIFO (streams complete in order), so no Python callback ever
 competes for the GIL. This is the only completion mechanism: there is no
 host-callback (``cudaLaunchHostFunc``) mode.
 
+Segments: the loop launches each segment of mg.segments (memgraph/segments.py) as one unit,
+replayed as a CUDA graph from its second run on (engine/cuda_graphs.py), so a run of small kernels
+costs one host call. Every vertex outside a segment launches alone as below.
+
 Launch-ahead: a compute vertex is reported complete to the loop as soon as it
 is enqueued, while its stream holds fewer than ``depth`` unfinished vertices,
 so chains of small kernels keep the GPU queue fed instead of paying a
@@ -26,6 +30,7 @@ import os
 import time
 
 import torch
+from turnip.engine.cuda_graphs import SegmentGraphs
 from turnip.engine.errors import EngineError
 from turnip.engine.loop import Completion, Launch
 from turnip.engine.runtime import InputBinding, OutputBinding, Runtime
@@ -90,6 +95,7 @@ class CudaRuntime(Runtime):
         tg = mg.taskgraph
 
         self.rng = RngReplay(tg, torch.device("cuda", self.devices[0]))
+        self.segment_graphs = SegmentGraphs(mg, self.graph.units)
         self._ctx = None
         self._leaves = None
         self._current: torch.cuda.Stream | None = None
@@ -123,7 +129,7 @@ class CudaRuntime(Runtime):
         self._batch_ready.record()  # the batch may come from work queued on the caller's stream
         if self.timing and self._timers is None:
             self._timers = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                            for _ in range(self.graph.n)]
+                            for _ in range(self.graph.vertex_count)]  # used by each unit's first vertex
             self._origin = torch.cuda.Event(enable_timing=True)
         if self.timing:
             self._origin.record()
@@ -146,6 +152,7 @@ class CudaRuntime(Runtime):
         for lane in self.lanes.values():
             lane.stream.synchronize()
         self.lanes.clear()
+        self.segment_graphs.clear()
         self.host_out.clear()
         self.rng = None
         self._unpin()
@@ -191,7 +198,7 @@ class CudaRuntime(Runtime):
         return lane
 
     def launch(self, item: Launch, notify) -> None:
-        vid = item.vertex
+        vid = item.vertex  # a unit: a segment or one vertex
         lane = self.lane(item)
         stream = lane.stream
         self.lane_of[vid] = lane
@@ -203,11 +210,15 @@ class CudaRuntime(Runtime):
             torch.cuda.set_stream(stream)
             self._current = stream
         timers = self._timers if self.timing else None
+        head = self.graph.head[vid]
         if timers is not None:
-            timers[vid][0].record(stream)
-        self.execute(self.mg, vid)
+            timers[head][0].record(stream)
+        if len(self.graph.units[vid]) > 1:
+            self.segment_graphs.run(vid, (item.key, item.instance), self._ctx.scalars, lambda: self.execute_unit(self.mg, vid))
+        else:
+            self.execute(self.mg, head)
         if timers is not None:
-            timers[vid][1].record(stream)
+            timers[head][1].record(stream)
         events[vid].record(stream)
         lane.in_flight.append(vid)
         # a vertex holding workspace is reported only once it really finished: the loop frees its

@@ -51,42 +51,85 @@ def vertex_device(mv) -> int:
 
 
 class StaticGraph:
-    """What the loop needs from a MemGraph, in flat lists, computed once per MemGraph."""
+    """What the loop needs from a MemGraph, in flat lists, computed once per MemGraph.
+
+    The loop schedules *units*: each segment of ``mg.segments`` (memgraph/segments.py) is one unit,
+    launched as a whole, and every other vertex is a unit of its own. ``units[u]`` lists unit u's
+    vertices in the order they run; with no segments, unit u is vertex u. Edges between vertices
+    of different units become edges between the units."""
 
     def __init__(self, mg: MemGraph):
-        n = len(mg.vertices)
+        nv = len(mg.vertices)
+        self.vertex_count = nv
+        unit_of = [-1] * nv
+        units: list[tuple[int, ...]] = []
+        for seg in mg.segments:
+            for vid in seg:
+                if not 0 <= vid < nv or unit_of[vid] >= 0:
+                    raise ValueError(f"segment {len(units)} names vertex {vid}, which is outside 0..{nv - 1} "
+                                     f"or in another segment")
+                unit_of[vid] = len(units)
+            units.append(tuple(seg))
+        if units:
+            for vid in range(nv):
+                if unit_of[vid] < 0:
+                    unit_of[vid] = len(units)
+                    units.append((vid,))
+        else:
+            units = [(vid,) for vid in range(nv)]
+            unit_of = list(range(nv))
+        self.units = units
+        self.unit_of = unit_of
+        self.head = [u[0] for u in units]  # the vertex that names a unit in records and traces
+        n = len(units)
         self.n = n
         succ: list[set[int]] = [set() for _ in range(n)]
         for src, dst, _ in mg.edges:
-            if not (0 <= src < n and 0 <= dst < n):
-                raise ValueError(f"edge ({src}, {dst}) names a vertex outside 0..{n - 1}")
-            succ[src].add(dst)
+            if not (0 <= src < nv and 0 <= dst < nv):
+                raise ValueError(f"edge ({src}, {dst}) names a vertex outside 0..{nv - 1}")
+            a, b = unit_of[src], unit_of[dst]
+            if a != b:
+                succ[a].add(b)
         self.succs: list[tuple[int, ...]] = [tuple(sorted(s)) for s in succ]
         indeg = [0] * n
         for s in self.succs:
             for dst in s:
                 indeg[dst] += 1
         self.indegree = indeg
-        self.roots = [v for v in range(n) if indeg[v] == 0]
+        self.roots = [u for u in range(n) if indeg[u] == 0]
         key_index: dict[tuple[Stream, int], int] = {}
         self.keys: list[tuple[Stream, int]] = []
         self.key_of: list[int] = []
         self.device: list[int] = []
-        for mv in mg.vertices:
-            key = (Stream(mv.stream), vertex_device(mv))
+        for unit in units:
+            keys = {(Stream(mg.vertices[vid].stream), vertex_device(mg.vertices[vid])) for vid in unit}
+            if len(keys) > 1:
+                raise ValueError(f"segment of vertices {list(unit)[:5]}... mixes streams or devices: {sorted(keys)}")
+            key = keys.pop()
             if key not in key_index:
                 key_index[key] = len(self.keys)
                 self.keys.append(key)
             self.key_of.append(key_index[key])
             self.device.append(key[1])
-        # what each vertex needs beside its stream: ((manager name, description), ...), mostly empty
+        # what each unit needs beside its stream: ((manager name, description), ...), mostly empty.
+        # A unit's vertices run one after another, so it needs the most any one of them needs.
         self.needs: list[tuple[tuple[str, Any], ...]] = []
-        for vid, mv in enumerate(mg.vertices):
-            if mv.lock is not None:
-                raise ResourceError(f"{format_vertex(mg, vid, inputs=False)} asks for lock {mv.lock!r}: no builder "
-                                    f"produces locks yet, so the engine has no lock resource (engine/resources.py)")
-            ws = int(mv.workspace)
-            self.needs.append(((WORKSPACE, (self.device[vid], ws)),) if ws else ())
+        for u, unit in enumerate(units):
+            for vid in unit:
+                if mg.vertices[vid].lock is not None:
+                    raise ResourceError(f"{format_vertex(mg, vid, inputs=False)} asks for lock "
+                                        f"{mg.vertices[vid].lock!r}: no builder produces locks yet, so the "
+                                        f"engine has no lock resource (engine/resources.py)")
+            ws = max(int(mg.vertices[vid].workspace) for vid in unit)
+            self.needs.append(((WORKSPACE, (self.device[u], ws)),) if ws else ())
+
+    def unit_ranks(self, vertex_ranks: list[int]) -> list[int]:
+        """A rank per unit from a rank per vertex: its best member's."""
+        if len(vertex_ranks) != self.vertex_count:
+            raise ValueError(f"{len(vertex_ranks)} ranks for {self.vertex_count} vertices")
+        if self.n == self.vertex_count:
+            return list(vertex_ranks)
+        return [min(vertex_ranks[vid] for vid in unit) for unit in self.units]
 
     def predecessors(self) -> list[list[int]]:
         """Only for error messages: building it is O(edges)."""
@@ -108,10 +151,9 @@ class Scheduler:
 
     def __init__(self, graph: StaticGraph, ranks: list[int], strict: bool,
                  streams: StreamPool, workspace: WorkspacePool):
-        if len(ranks) != graph.n:
-            raise ValueError(f"{len(ranks)} ranks for {graph.n} vertices")
+        """``ranks``: one per MemGraph vertex (a policy's); the scheduler ranks each unit by its best."""
         self.g = graph
-        self.rank = ranks
+        self.rank = ranks = graph.unit_ranks(ranks)
         self.strict = strict
         self.streams = streams
         self.workspace = workspace
@@ -140,7 +182,7 @@ class Scheduler:
         self.in_flight = 0
         self.done = 0
         self.halted = False
-        self.launch_order: list[int] = []  # vertex ids in launch order (tests, traces)
+        self.launch_order: list[int] = []  # vertex ids in launch order (tests, traces); a unit's in its order
 
     # -- public ---------------------------------------------------------------------
     @property
@@ -178,22 +220,25 @@ class Scheduler:
         self.halted = True
 
     def stuck(self) -> list[int]:
-        return [vid for vid in range(self.g.n) if self.state[vid] in (WAITING, READY)]
+        """Units that never launched, by their first vertex."""
+        return [self.g.head[u] for u in range(self.g.n) if self.state[u] in (WAITING, READY)]
 
     def explain_stuck(self, mg: MemGraph, limit: int = 10) -> str:
         """Why vertices cannot run: unfinished predecessors, or their turn in deterministic mode."""
-        stuck = self.stuck()
-        preds = self.g.predecessors()
+        g = self.g
+        stuck = [u for u in range(g.n) if self.state[u] in (WAITING, READY)]
+        preds = g.predecessors()
         lines = []
-        for vid in stuck[:limit]:
+        for u in stuck[:limit]:
+            vid = g.head[u]
             mv = mg.vertices[vid]
-            what = format_vertex(mg, vid)
-            if self.state[vid] == WAITING:
-                waiting = [p for p in preds[vid] if self.state[p] != DONE]
+            what = format_vertex(mg, vid) + (f" (segment of {len(g.units[u])} vertices)" if len(g.units[u]) > 1 else "")
+            if self.state[u] == WAITING:
+                waiting = [g.head[p] for p in preds[u] if self.state[p] != DONE]
                 lines.append(f"  {what}: waits for {waiting}")
             elif self.strict:
-                k = self.g.key_of[vid]
-                head = self._sequence[k][self._next[k]]
+                k = g.key_of[u]
+                head = g.head[self._sequence[k][self._next[k]]]
                 lines.append(f"  {what}: ready, but deterministic order on {mv.stream.value} launches "
                              f"vertex {head} first")
             else:
@@ -274,7 +319,7 @@ class Scheduler:
             self.in_flight += 1
             if strict:
                 self._next[best] += 1
-            self.launch_order.append(vid)
+            self.launch_order.extend(self.g.units[vid])
             launches.append(Launch(vid, best, inst))
 
 
@@ -300,7 +345,8 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
           completions: queue.SimpleQueue[Completion], records: list[Record] | None = None) -> list[Record]:
     """Run the step to the end on the calling thread; return what ran where and when.
 
-    ``launch`` starts a vertex asynchronously (it may also raise: that counts as
+    The loop works on units (StaticGraph); ``launch`` gets a unit, the records name each unit by
+    its first vertex. ``launch`` starts a unit asynchronously (it may also raise: that counts as
     the vertex failing). Backends put a Completion on ``completions`` for every
     launched vertex, exactly once, from any thread. ``records`` (appended to,
     also when the step fails) lets a caller trace a failed step.
@@ -320,6 +366,7 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
     launch_all(scheduler.start())
     n = scheduler.g.n
     key_of = scheduler.g.key_of
+    head = scheduler.g.head
     instance_of = scheduler.instance
     while scheduler.done < n:
         if scheduler.in_flight == 0:
@@ -335,11 +382,12 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
                 interrupt = exc
                 scheduler.halt()
             continue
-        vid = done.vertex
-        records.append(Record(vid, key_of[vid], instance_of[vid], done.start, done.end, done.error is None))
+        vid = done.vertex  # a unit
+        records.append(Record(head[vid], key_of[vid], instance_of[vid], done.start, done.end, done.error is None))
         if done.error is not None:
             if failure is None:
-                failure = (vid, done.error)
+                # a unit of several vertices says which one failed (Runtime.execute_unit)
+                failure = (getattr(done.error, "failed_vertex", head[vid]), done.error)
                 scheduler.halt()
             else:
                 log.warning("vertex %d also failed while draining: %r", vid, done.error)

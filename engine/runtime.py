@@ -12,8 +12,9 @@ kind runs:
     _allocate(mg)                     allocate self.arenas {device: uint8} and self.storage
     begin_step(mg, leaves, step)      per-step state (StepContext, batch leaves, outputs)
     completion_source()               optional: what the loop blocks on (default: a SimpleQueue)
-    launch(item, notify)              start vertex item.vertex on stream instance
-                                      (item.key, item.instance), calling execute(mg, vid) there;
+    launch(item, notify)              start unit item.vertex (StaticGraph.units: a segment or one
+                                      vertex) on stream instance (item.key, item.instance),
+                                      calling execute_unit(mg, unit) there (CUDA may replay a graph);
                                       call notify(Completion) exactly once, from any thread, when done
     run_compute(vid, PreparedVertex)  run each kind with what bind_<kind> made of the vertex:
     run_offload / run_reload / run_copy(vid, ((dst bytes, src bytes), ...))
@@ -93,7 +94,7 @@ class Runtime:
         self.arenas: dict[int, torch.Tensor] = {}
         self.storage: torch.Tensor | None = None
         self._views: dict[tuple, torch.Tensor] = {}
-        n = self.graph.n
+        n = self.graph.vertex_count
         self._bound: list = [None] * n  # per vertex: what bind_<kind> made of it, on its first launch
         # plain functions, not bound methods, which would tie the runtime to itself in a reference cycle
         self._binders = per_vertex(type(self), "bind_", mg.vertices, unknown=_unknown_kind)
@@ -167,6 +168,16 @@ class Runtime:
         if binding is None:
             binding = self._bound[vid] = self._binders[vid](self, mg, mg.vertices[vid])
         self._runners[vid](self, vid, binding)
+
+    def execute_unit(self, mg: MemGraph, unit: int) -> None:
+        """Run the loop's unit ``unit`` (a segment's vertices in order, or one vertex). A failure
+        carries the vertex that failed as ``failed_vertex``, for the loop's error message."""
+        for vid in self.graph.units[unit]:
+            try:
+                self.execute(mg, vid)
+            except Exception as exc:
+                exc.failed_vertex = vid
+                raise
 
     def bind_compute(self, mg: MemGraph, mv: MVertex) -> PreparedVertex:
         """The compute vertex bound to its arena views (places never move)."""

@@ -452,7 +452,9 @@ def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str
     pool = StreamPool([counts[stream] for stream, _ in graph.keys])
     ws = WorkspacePool(workspace_capacity(mg, arena_devices(mg)))
     sched = Scheduler(graph, policy.ranks(mg), policy.strict, pool, ws)
-    durations = nominal_durations(mg, costs, bandwidth, overhead)
+    per_vertex = nominal_durations(mg, costs, bandwidth, overhead)
+    # a unit (a segment, replayed as one CUDA graph) runs its vertices back to back for one launch
+    durations = [sum(per_vertex[vid] for vid in unit) for unit in graph.units]
     if jitter > 0:
         z = np.random.default_rng(seed).standard_normal(len(durations))
         durations = (np.asarray(durations) * np.exp(jitter * z - jitter * jitter / 2)).tolist()
@@ -460,11 +462,12 @@ def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str
     sim = _Sim(mg, sched, durations, duplex, depth, host)
     sim.run()
 
-    timeline = sorted((Span(v, sim.lane_of[v].name, sim.start[v], sim.end[v]) for v in range(graph.n)),
+    head = graph.head  # units are named by their first vertex
+    timeline = sorted((Span(head[u], sim.lane_of[u].name, sim.start[u], sim.end[u]) for u in range(graph.n)),
                       key=lambda s: (s.start, s.vertex))
     inst_of = {id(lane): k for k, lane in sim.lanes.items()}
-    records = [Record(v, inst_of[id(sim.lane_of[v])][0], inst_of[id(sim.lane_of[v])][1], sim.start[v], sim.end[v],
-                      True) for v in range(graph.n)]
+    records = [Record(head[u], inst_of[id(sim.lane_of[u])][0], inst_of[id(sim.lane_of[u])][1], sim.start[u],
+                      sim.end[u], True) for u in range(graph.n)]
     step = max(sim.end, default=0.0)
     busy = collections.Counter()
     for (name, _dev), t in sim.busy.items():
@@ -477,5 +480,5 @@ def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str
         h2d_busy=link_in, d2h_busy=busy["d2h"] if duplex else link_in, host_busy=sim.host_busy,
         bytes_h2d=b_in, bytes_d2h=b_out, ordering=policy.name, seed=seed, jitter=jitter,
         host_per_vertex=host, timeline=timeline, launch_order=list(sched.launch_order),
-        launched_at=sim.launched_at, records=records, keys=list(graph.keys),
+        launched_at=[sim.launched_at[u] for u in graph.unit_of], records=records, keys=list(graph.keys),
         instances={k: n for k, n in enumerate(pool.sizes)})

@@ -102,6 +102,9 @@ class MemGraph:
     names: dict[str, int] = field(default_factory=dict)  # state_dict key -> persistent value id
     device: str = "cpu"
     stats: dict = field(default_factory=dict)  # builder facts (edges dropped by reduction, ...)
+    # runs of compute vertices, each in serial order, that the engine launches as one unit (one CUDA
+    # graph on CUDA); a vertex in no segment launches alone. Decided by memgraph/segments.py.
+    segments: list[list[int]] = field(default_factory=list)
 
     # Not a field (ClassVar): engine.run sets it on the instance; None until the first run.
     runtime: ClassVar[LiveState | None] = None

@@ -20,6 +20,7 @@ from turnip.ir.plan import Plan
 from turnip.ir.taskgraph import TaskGraph
 from turnip.memgraph.horizons import HorizonWalk, OutOfMemory
 from turnip.memgraph.schedule import Schedule
+from turnip.memgraph.segments import find_segments
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ def _describe(graph: TaskGraph, vertex: int) -> str:
     return "the GPU-resident parameters and states alone" if vertex < 0 else format_task_vertex(graph, vertex)
 
 
-def build(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, compact: bool = False) -> MemGraph:
+def build(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, compact: bool = False,
+          segment_size: int | str | None = "auto") -> MemGraph:
     """Compile the plan's serial order of the TaskGraph into a MemGraph over one arena of
     ``plan.gpu_budget - max workspace`` bytes. Raises InfeasibleBudget when no build fits.
 
@@ -93,7 +95,12 @@ def build(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, compact: bool 
     as the budget allows (most freedom for the runtime: with an unbounded budget every value gets
     bytes of its own). ``compact=True`` reuses bytes first and reserves nothing ahead: the arena
     is then about the smallest this order needs (``arena_bytes`` of a compact build with an
-    unbounded budget is the packed "keep everything" peak)."""
+    unbounded budget is the packed "keep everything" peak).
+
+    ``segment_size``: the longest run of compute vertices launched as one unit (memgraph/segments.py;
+    a CUDA graph on CUDA); None unbounded, 1 every vertex alone; "auto" unbounded for a graph traced
+    for CUDA, 1 on the CPU (where a launch costs little and single vertices let the runtime, and the
+    tests' random orders, choose the most)."""
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, not {alignment}")
     graph, order = plan.expand(taskgraph)
@@ -111,7 +118,7 @@ def build(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, compact: bool 
                         plan.gpu_budget, minimum)
             mg = _attempt(graph, order, plan, alignment, minimum, compact=compact)
             mg.stats["arena_budget_used"] = minimum
-            return _finished(mg, started)
+            return _finished(mg, started, segment_size)
         need = f"; it runs out of {'pinned CPU storage' if exc.resource == 'cpu' else 'GPU memory'}"
         raise InfeasibleBudget(
             f"GPU budget {plan.gpu_budget} bytes is too small for this step{need}: the smallest budget that "
@@ -120,10 +127,13 @@ def build(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, compact: bool 
     finally:
         if collecting:
             gc.enable()
-    return _finished(mg, started)
+    return _finished(mg, started, segment_size)
 
 
-def _finished(mg: MemGraph, started: float) -> MemGraph:
+def _finished(mg: MemGraph, started: float, segment_size: int | str | None) -> MemGraph:
+    if segment_size == "auto":
+        segment_size = None if mg.taskgraph.device == "cuda" else 1
+    mg.segments = find_segments(mg, segment_size)
     mg.stats["build_seconds"] = time.perf_counter() - started
     log.info("built MemGraph: %d vertices, %d edges, arena %d bytes, cpu %d bytes in %.2fs",
              len(mg.vertices), len(mg.edges), mg.arena_bytes, mg.cpu_bytes, mg.stats["build_seconds"])

@@ -24,6 +24,7 @@ from collections import defaultdict
 from turnip.ir.describe import format_vertex
 from turnip.ir.memgraph import Edge, Kind, MemGraph, Stream
 from turnip.ir.taskgraph import ValueKind
+from turnip.memgraph.segments import segment_problems
 
 START, END = "start", "end"  # virtual writer of the homes / reader of the final homes
 MAX_REPORTS = 40  # per kind of violation
@@ -58,6 +59,8 @@ class _Verifier:
     def run(self) -> list[str]:
         if not self._structure() or not self._order():
             return self._finish()
+        for problem in segment_problems(self.mg):
+            self.report("segments", problem)
         self._collect_placements()
         self._check_data()
         self._check_races()

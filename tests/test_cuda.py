@@ -5,6 +5,8 @@ Skipped cleanly without CUDA (CI has none); run on the device with
 """
 
 
+import dataclasses
+
 import pytest
 import torch
 from cases import assert_same_state, eager_steps, make_case, trainable
@@ -64,11 +66,14 @@ def test_cuda_engine_matches_eager(model_name, budget, ordering):
     assert_same_state(mg.state_dict(), want_state, exact=False, **CUDA_TOL)
 
 
-def test_steps_after_the_first_allocate_nothing():
+def test_steps_after_the_first_two_allocate_nothing():
+    """The first step makes library handles, the second captures the segments' CUDA graphs (their
+    temporaries come from private pools); then nothing is allocated."""
     model, loss_fn, batches = make_case("gpt", dropout=0.1, device="cuda")
     mg = memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(trainable(model)),
                           budget=budget_bytes(model, loss_fn, batches[0], 0.5), device="cuda")
     engine.run(mg, batches[0])
+    engine.run(mg, batches[1])
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()
     for b in batches[1:] * 2:
@@ -116,3 +121,32 @@ def test_multi_tensor_update_matches_eager_fused_adamw():
     losses = [engine.run(mg, b)["loss"].item() for b in batches]
     assert losses == pytest.approx([x.item() for x in want_losses], rel=1e-4)
     assert_same_state(mg.state_dict(), want_state, exact=False, **CUDA_TOL)
+
+
+def test_cuda_graph_segments_equal_plain_launches_under_a_scheduler():
+    """Segments replayed as CUDA graphs give the per-vertex launches' numbers bit for bit, also
+    when an LR scheduler changes a scalar a captured graph baked in (it is captured again)."""
+    model, loss_fn, batches = make_case("gpt", dropout=0.0, device="cuda")
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(trainable(model)),
+                          budget=budget_bytes(model, loss_fn, batches[0], 0.5), device="cuda")
+    assert mg.segments and memgraph.verify(mg) == []
+    plain = dataclasses.replace(mg, segments=[])
+
+    def run(g):
+        g.optimizer = adamw(trainable(model))
+        schedule = torch.optim.lr_scheduler.LambdaLR(g.optimizer, lambda step: 1.0 / (1 + step))
+        losses = []
+        for b in batches + batches:
+            losses.append(engine.run(g, b)["loss"].item())
+            schedule.step()
+        return losses, g.state_dict()
+
+    want_losses, want_state = run(plain)
+    losses, state = run(mg)
+    graphs = mg.runtime.segment_graphs
+    assert not graphs.uncapturable
+    assert graphs.captures > len(mg.segments)  # every segment, and the scheduled ones again each step
+    assert losses == want_losses
+    assert_same_state(state, want_state)
+    mg.release()
+    plain.release()

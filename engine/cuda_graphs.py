@@ -1,0 +1,98 @@
+"""CUDA graphs of a MemGraph's segments: captured once, replayed every step.
+
+A segment (memgraph/segments.py) is a run of compute vertices whose places never move, so the
+kernels it launches are the same every step: only the per-step host scalars (the optimizer's
+hyperparameters; Adam's bias corrections live in device step tensors) can differ. Each segment
+runs as ordinary launches the first time (cuBLAS / cuDNN handles and lazily allocated buffers are
+made then, outside any capture), is captured on its second run, and is replayed from then on,
+one host call instead of one per kernel. A segment whose scalars changed since its capture (an LR
+scheduler stepping) is captured again. Temporaries that ops allocate inside a capture come from
+one private memory pool per stream instance, shared by the segments captured on it, which is safe
+because the work of one stream never runs at the same time; a segment launched on another instance
+of its stream class is captured again there, with that instance's pool.
+
+A segment that cannot be captured (an op that synchronizes with the host, say) is logged once and
+runs as ordinary launches from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+import torch
+from turnip.ir.memgraph import MemGraph
+from turnip.ir.taskgraph import ScalarRef
+
+log = logging.getLogger(__name__)
+
+
+def scalar_names(template) -> set[str]:
+    """The per-step scalars a vertex's argument template reads."""
+    if isinstance(template, ScalarRef):
+        return {template.name}
+    if isinstance(template, (list, tuple)):
+        return set().union(*(scalar_names(t) for t in template)) if template else set()
+    if isinstance(template, dict):
+        return scalar_names(list(template.values()))
+    return set()
+
+
+class SegmentGraphs:
+    """The captured graph of each multi-vertex unit of the loop, with what it baked in."""
+
+    def __init__(self, mg: MemGraph, units: list[tuple[int, ...]]):
+        tasks = mg.taskgraph.vertices
+        self.scalars: dict[int, tuple[str, ...]] = {}
+        for u, unit in enumerate(units):
+            if len(unit) > 1:
+                names = set()
+                for vid in unit:
+                    tv = tasks[mg.vertices[vid].task_vertex]
+                    names |= scalar_names(tv.args) | scalar_names(tv.kwargs)
+                self.scalars[u] = tuple(sorted(names))
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # (unit, lane) -> graph, scalars
+        self.runs: dict[tuple, int] = {}
+        self.uncapturable: set[int] = set()
+        self.pools: dict[tuple, tuple] = {}  # lane -> private memory pool of the segments captured on it
+        self.captures = 0  # how many captures were made (tests, logs)
+
+    def run(self, unit: int, lane: tuple, step_scalars: Mapping[str, float], launch: Callable[[], None]) -> None:
+        """Run unit ``unit`` on the current stream, lane ``lane`` ((stream key, instance)): replay
+        its graph, or ``launch()`` its vertices (first run, or uncapturable), or capture ``launch()``
+        and replay it."""
+        baked = tuple(step_scalars[name] for name in self.scalars[unit])
+        key = (unit, lane)
+        captured = self.graphs.get(key)
+        if captured is not None and captured[1] == baked:
+            captured[0].replay()
+            return
+        runs = self.runs.get(key, 0)
+        self.runs[key] = runs + 1
+        if runs == 0 or unit in self.uncapturable:
+            launch()
+            return
+        graph = torch.cuda.CUDAGraph()
+        pool = self.pools.get(lane)
+        if pool is None:
+            pool = self.pools[lane] = torch.cuda.graph_pool_handle()
+        try:
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                launch()
+            finally:
+                graph.capture_end()
+        except Exception as exc:  # noqa: BLE001 - a capture that fails launched nothing: run it plainly
+            self.uncapturable.add(unit)
+            self.graphs.pop(key, None)
+            log.warning("segment %d cannot be captured as a CUDA graph (%s: %s); it runs as ordinary "
+                        "launches", unit, type(exc).__name__, exc)
+            launch()
+            return
+        self.graphs[key] = (graph, baked)
+        self.captures += 1
+        graph.replay()
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.pools.clear()

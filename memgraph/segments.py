@@ -1,0 +1,120 @@
+"""Segments: runs of compute vertices the engine launches as one unit (a CUDA graph on CUDA).
+
+Launching a vertex from Python costs the host 15-40 us; most kernels of a training step take
+less. Everything a MemGraph does is static (fixed arena places), so a run of compute vertices
+can be captured once and replayed as one CUDA graph. Which runs: a segment is a maximal run of
+consecutive compute vertices of mg.serial (other kinds skipped over) on one stream and device, such
+that only its first vertex has a predecessor that is not compute (a reload, an input) and only its
+last has a successor that is not compute (an offload, an output, a reload into bytes it freed).
+
+Why that is safe: contracting such a run into one vertex keeps the graph acyclic. A path leaving
+the run and coming back would start at a member with an edge to an outsider; the outsider cannot be
+a transfer (only the last member has one as successor, and nothing of the run comes after it) nor a
+compute vertex (every compute vertex between two members in the serial order is a member). And it
+costs the runtime little choice: transfers still start the moment their compute is done, compute
+that waits for a reload is never held back by one it does not need.
+
+Random vertices stay alone (their generator state is set per launch, which a capture would freeze).
+"""
+
+from __future__ import annotations
+
+from turnip.ir.memgraph import Kind, MemGraph
+
+
+def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) -> list[list[int]]:
+    """The segments of ``mg`` (vertex ids, each list in serial order). ``max_size`` bounds a
+    segment's length (None: unbounded; 1: no segments); runs shorter than ``min_size`` are left
+    as single vertices."""
+    if max_size is not None and max_size < 1:
+        raise ValueError(f"segment size must be at least 1 (1 launches every vertex alone), got {max_size}")
+    if max_size == 1:
+        return []
+    vertices, tasks = mg.vertices, mg.taskgraph.vertices
+    compute = [mv.kind is Kind.COMPUTE for mv in vertices]
+    enters_from_outside = [False] * len(vertices)  # a predecessor that is not compute
+    leaves_to_outside = [False] * len(vertices)  # a successor that is not compute
+    for src, dst, _ in mg.edges:
+        if not compute[src]:
+            enters_from_outside[dst] = True
+        if not compute[dst]:
+            leaves_to_outside[src] = True
+
+    def lane(vid: int) -> tuple:
+        mv = vertices[vid]
+        places = [p for p in (*mv.writes.values(), *mv.reads.values()) if p.where == "gpu"]
+        return mv.stream, places[0].device if places else 0
+
+    segments: list[list[int]] = []
+    run: list[int] = []
+
+    def close() -> None:
+        if len(run) >= min_size:
+            segments.append(list(run))
+        run.clear()
+
+    for vid in mg.serial:
+        if not compute[vid]:
+            continue
+        alone = tasks[vertices[vid].task_vertex].random
+        if run and (alone or enters_from_outside[vid] or lane(vid) != lane(run[0])
+                    or (max_size is not None and len(run) >= max_size)):
+            close()
+        if alone:
+            continue
+        run.append(vid)
+        if leaves_to_outside[vid]:
+            close()
+    close()
+    return segments
+
+
+def segment_problems(mg: MemGraph) -> list[str]:
+    """Why ``mg.segments`` cannot be launched as units ([] when they can): unknown or repeated
+    vertices, non-compute members, mixed streams, or a contraction that would make a cycle."""
+    problems = []
+    n = len(mg.vertices)
+    unit_of = list(range(n))
+    seen: set[int] = set()
+    for k, seg in enumerate(mg.segments):
+        for vid in seg:
+            if not 0 <= vid < n:
+                problems.append(f"segment {k} names vertex {vid}, outside 0..{n - 1}")
+                continue
+            if vid in seen:
+                problems.append(f"vertex {vid} is in more than one segment")
+            seen.add(vid)
+            if mg.vertices[vid].kind is not Kind.COMPUTE:
+                problems.append(f"segment {k} holds vertex {vid} of kind {mg.vertices[vid].kind.value}")
+            unit_of[vid] = n + k
+        if len({mg.vertices[v].stream for v in seg if 0 <= v < n}) > 1:
+            problems.append(f"segment {k} mixes streams")
+    if problems:
+        return problems
+    position = {vid: i for seg in mg.segments for i, vid in enumerate(seg)}
+    for src, dst, _ in mg.edges:
+        if unit_of[src] == unit_of[dst] >= n and position[src] >= position[dst]:
+            problems.append(f"segment {unit_of[src] - n} runs vertex {dst} before its predecessor {src}")
+    if problems:
+        return problems
+    succ: dict[int, set[int]] = {}
+    indegree: dict[int, int] = {u: 0 for u in set(unit_of)}
+    for src, dst, _ in mg.edges:
+        a, b = unit_of[src], unit_of[dst]
+        if a != b and b not in succ.setdefault(a, set()):
+            succ[a].add(b)
+            indegree[b] += 1
+    ready = [u for u, d in indegree.items() if d == 0]
+    ordered = 0
+    while ready:
+        u = ready.pop()
+        ordered += 1
+        for w in succ.get(u, ()):
+            indegree[w] -= 1
+            if indegree[w] == 0:
+                ready.append(w)
+    if ordered < len(indegree):
+        cyclic = sorted(u - n for u, d in indegree.items() if d > 0 and u >= n)
+        problems.append(f"launching the segments as units makes a cycle (segments {cyclic[:5]} lie on it): "
+                        f"a path leaves a segment and comes back")
+    return problems
