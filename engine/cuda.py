@@ -96,6 +96,7 @@ class CudaRuntime(Runtime):
 
         self.rng = RngReplay(tg, torch.device("cuda", self.devices[0]))
         self.segment_graphs = SegmentGraphs(mg, self.graph.units)
+        self.shared_workspace = True  # set per step: False when a device has several compute streams
         self._ctx = None
         self._leaves = None
         self._current: torch.cuda.Stream | None = None
@@ -221,9 +222,11 @@ class CudaRuntime(Runtime):
             timers[head][1].record(stream)
         events[vid].record(stream)
         lane.in_flight.append(vid)
-        # a vertex holding workspace is reported only once it really finished: the loop frees its
-        # workspace on the report, and another stream could take those bytes while it still runs
-        if lane.early and lane.reported_in_flight < self.depth and not self.graph.needs[vid]:
+        # a vertex holding workspace is reported only once it really finished where another compute
+        # stream could take those bytes while it still runs: the loop frees its workspace on the
+        # report. With one compute stream per device the next temporaries are allocated in stream
+        # order behind it, so reporting early is safe.
+        if lane.early and lane.reported_in_flight < self.depth and (self.shared_workspace or not self.graph.needs[vid]):
             lane.reported_in_flight += 1
             self.reported[vid] = 1
             self.completions.ready.append(Completion(vid, None, 0.0, 0.0))
@@ -248,7 +251,8 @@ class CudaRuntime(Runtime):
                     moved = True
             if lane.early:
                 needs = self.graph.needs
-                while lane.unreported and lane.reported_in_flight < depth and not needs[lane.unreported[0]]:
+                while (lane.unreported and lane.reported_in_flight < depth
+                       and (self.shared_workspace or not needs[lane.unreported[0]])):
                     vid = lane.unreported.popleft()
                     reported[vid] = 1
                     lane.reported_in_flight += 1

@@ -18,6 +18,7 @@ runs as ordinary launches from then on.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 
 import torch
@@ -81,7 +82,9 @@ class SegmentGraphs:
             try:
                 launch()
             finally:
-                graph.capture_end()
+                with warnings.catch_warnings():  # a segment of ops that launch nothing (empty_like) is fine
+                    warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                    graph.capture_end()
         except Exception as exc:  # noqa: BLE001 - a capture that fails launched nothing: run it plainly
             self.uncapturable.add(unit)
             self.graphs.pop(key, None)

@@ -37,14 +37,27 @@ def make_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, 
 
 def run_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
              time_limit: float = 30.0, costs: CostModel | None = None, **opts) -> Plan:
-    return plan_candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, **opts)[0]
+    return _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, **opts)[0]
 
 
 def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
                     time_limit: float = 30.0, costs: CostModel | None = None, **opts) -> list[Plan]:
+    """Plans worth building and comparing (memgraph.compile simulates each built one): the plan
+    run_plan returns, then the greedy plan the ILP started from when it fits the model too; and,
+    for method "auto" without an explicit headroom, the same two planned against the whole budget
+    (headroom 1.0). The default headroom keeps slack for fragmentation and prefetching, which costs
+    transfers when the budget is only just below the peak; whether the builder fits a plan of the
+    whole budget without evicting more is known only once built."""
+    plans = _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, **opts)
+    if method == "auto" and "headroom" not in opts:
+        plans += _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, headroom=1.0, **opts)
+    return plans
+
+
+def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
+                time_limit: float = 30.0, costs: CostModel | None = None, **opts) -> list[Plan]:
     """The plan run_plan returns first; when that is the ILP's and the greedy plan it started from
-    fits the model too, that one second (same problem, same greedy run), so a caller can compare
-    them built."""
+    fits the model too, that one second (same problem, same greedy run)."""
     if method not in METHODS:
         raise ValueError(f"unknown planner method {method!r} (choose from {', '.join(METHODS)})")
     unknown = set(opts) - set(_MODEL_OPTS) - set(_SOLVER_OPTS)

@@ -632,7 +632,19 @@ def test_recomputing_plans_run_like_eager(how):
 
 def test_candidates_are_the_ilp_plan_then_the_greedy_plan_it_started_from(small_gpt):
     tg, peak = small_gpt
-    first, *rest = planners.plan_candidates(tg, int(0.4 * peak), alignment=64)
+    first, *rest = planners.plan_candidates(tg, int(0.4 * peak), alignment=64, headroom=0.9)
     assert first.planner == "ilp" and [p.planner for p in rest] == ["greedy"]
     assert rest[0].predicted_time >= first.predicted_time  # the ILP starts from the greedy plan
-    assert first.predicted_time == planners.plan(tg, int(0.4 * peak), alignment=64).predicted_time
+    assert first.predicted_time == planners.plan(tg, int(0.4 * peak), alignment=64, headroom=0.9).predicted_time
+
+
+def test_auto_candidates_also_plan_the_whole_budget(small_gpt):
+    """Without an explicit headroom, the candidates add plans made against the whole budget, which
+    keep at least as much (a larger cap can only help the model)."""
+    tg, peak = small_gpt
+    plans = planners.plan_candidates(tg, int(0.4 * peak), alignment=64)
+    headrooms = [p.stats["headroom"] for p in plans]
+    assert headrooms[0] < 1.0 and headrooms[-1] == 1.0
+    default = [p for p in plans if p.stats["headroom"] < 1.0]
+    whole = [p for p in plans if p.stats["headroom"] == 1.0]
+    assert min(p.predicted_time for p in whole) <= min(p.predicted_time for p in default)
