@@ -16,7 +16,7 @@ import time
 from turnip.ir.describe import format_task_vertex
 from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import MemGraph
-from turnip.ir.plan import Plan
+from turnip.ir.plan import CPU, Plan
 from turnip.ir.taskgraph import TaskGraph
 from turnip.memgraph.horizons import HorizonWalk, OutOfMemory
 from turnip.memgraph.schedule import Schedule
@@ -82,6 +82,23 @@ def _minimum(graph: TaskGraph, order: list[int], plan: Plan, alignment: int,
     return hi_units * alignment, vertex
 
 
+def _planned_offload(graph: TaskGraph, plan: Plan) -> int:
+    """Bytes the plan itself sends to the CPU each step (at most): offloaded values and CPU homes."""
+    homes = sum(graph.values[v].nbytes for v, where in plan.home.items() if where == CPU)
+    return homes + sum(graph.values[v].nbytes for v in plan.offload if 0 <= v < len(graph.values))
+
+
+def _fewest_transfers(mg: MemGraph, graph: TaskGraph, order: list[int], plan: Plan, alignment: int) -> MemGraph:
+    try:
+        packed = _attempt(graph, order, plan, alignment, plan.gpu_budget, compact=True)
+    except OutOfMemory:
+        return mg
+    moved = packed.summary()["bytes_offloaded"]
+    log.info("allocate-ahead build evicts %d bytes the plan keeps; packed build %d", mg.summary()["bytes_offloaded"],
+             moved)
+    return packed if moved < mg.summary()["bytes_offloaded"] else mg
+
+
 def _describe(graph: TaskGraph, vertex: int) -> str:
     return "the GPU-resident parameters and states alone" if vertex < 0 else format_task_vertex(graph, vertex)
 
@@ -109,6 +126,11 @@ def build(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, compact: bool 
     gc.disable()  # the simulation makes millions of small acyclic objects: cycle collection only costs time
     try:
         mg = _attempt(graph, order, plan, alignment, plan.gpu_budget, compact=compact)
+        if not compact and mg.summary()["bytes_offloaded"] > _planned_offload(graph, plan):
+            # The allocate-ahead walk can fragment the arena and evict what the plan keeps; the
+            # compact walk (reuse first, and packed offline like the keep-everything build when
+            # the plan's lifetimes fit) may need fewer transfers
+            mg = _fewest_transfers(mg, graph, order, plan, alignment)
     except OutOfMemory as exc:
         minimum, vertex = _minimum(graph, order, plan, alignment, compact)
         if minimum <= plan.gpu_budget:
