@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Protocol
 from turnip.ir import serialize
 from turnip.ir.optimizer import OptimizerSpec
 from turnip.ir.plan import Plan, Recompute
+from turnip.ir.budget import budget_fields
 from turnip.ir.taskgraph import ScalarRef, TaskGraph, TensorRef, Value, ValueKind, Vertex
 
 FORMAT_VERSION = serialize.VERSION
@@ -176,6 +177,7 @@ class MemGraph:
             "edges_removed_by_reduction": self.stats.get("edges_removed_by_reduction", 0),
             "planner": self.plan.planner,
             "predicted_time": self.plan.predicted_time,
+            **budget_fields(self.plan.gpu_budget, self.stats.get("unplanned_peak")),
         }
 
     # -- files --------------------------------------------------------------------

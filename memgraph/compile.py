@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import torch
 from turnip.engine.timing_sim import simulate
-from turnip.ir.budget import format_bytes, parse_budget
+from turnip.ir.budget import check_budget, format_bytes, parse_budget
 from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import MemGraph
 from turnip.ir.plan import Plan
 from turnip.memgraph.build import build
+from turnip.memgraph.progress import Phases, stderr_is_terminal
+from turnip.memgraph.report import compile_report
 from turnip.memgraph.trace import trace
 from turnip.planners.costs import default_costs
+from turnip.planners.measure import device_name
 
 from turnip import planners
 
@@ -26,64 +30,137 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+PHASES = ("tracing", "measuring op costs", "planning", "building")
+
+
 def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
             budget: float | str | None = None, device: str | torch.device | None = None,
             planner: str = "auto", cpu_budget: int | str | None = None, alignment: int | None = None,
             fused_optimizer: bool | None = None, max_grad_norm: float | None = None, norm_type: float = 2.0,
-            **planner_options) -> MemGraph:
+            verbose: bool = True, **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
 
-    budget: bytes, a size string ("6GiB"), or a fraction of the unplanned peak
-    (everything kept on the GPU); None means the unplanned peak.
+    budget: how much GPU memory the step may use (ir/budget.py):
+      - a fraction of the unplanned peak, the bytes the step takes with everything kept on the
+        GPU: a float in (0, 1] (0.5) or a percentage string ("50%");
+      - a size: a string with a unit ("6GiB", "512MiB", "1.5GB") or an int of bytes. An int below
+        1 MiB is refused (budget=1 is a fraction written as an int, not one byte);
+      - None: the unplanned peak (everything kept).
+      Anything else raises turnip.ir.budget.BudgetError (a ValueError) saying what is accepted; a
+      budget below what the step can run in raises InfeasibleBudget naming the smallest that works.
     planner: "auto" (the ILP, and on CUDA also the greedy plan, built both, keeping the one the
     timing simulator runs faster), "ilp", "greedy", or "none" (keep everything and let
     BuildMemGraph evict under pressure).
+    cpu_budget: pinned CPU bytes the plan may use, in the same forms as budget (a fraction is of
+    the GPU's unplanned peak); None: unbounded.
+    alignment: byte alignment of arena places (default 256 on CUDA, 64 on the CPU).
     fused_optimizer: Adam/AdamW as one fused kernel per parameter (default on CUDA); off, the
     exact single-tensor torch.optim update (the CPU default, bitwise equal to eager).
     max_grad_norm, norm_type: clip the gradients before the update as
     torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type) would.
+    verbose: True (default) shows a progress bar over the phases "tracing", "measuring op
+    costs", "planning" and "building", and prints the compile report (budget, unplanned peak,
+    arena, tensors kept / offloaded / recomputed, bytes moved per step, predicted step time or
+    "not predicted" on the CPU backend) to stderr at the end. Both appear only when stderr is a
+    terminal, and the report is not printed when logging already shows INFO messages of this
+    module. False shows neither. Either way the report is logged at INFO on the logger
+    "turnip.memgraph.compile" (memgraph.report.compile_report(mg) gives the same text, also for a
+    loaded MemGraph); library messages go through `logging` only.
+    planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
+    the ILP solver may run, default 30), headroom, windows, gap, depth, max_candidates,
+    max_chain, max_items, order, solver, threads, msg; and costs, a planners.costs.CostModel
+    (default: measured on a present CUDA device, analytic otherwise).
     """
+    check_budget(budget)  # a budget that cannot be read fails before tracing, not after
+    if cpu_budget is not None:
+        check_budget(cpu_budget, what="cpu_budget")
     device = torch.device(device or default_device())
     alignment = alignment or (256 if device.type == "cuda" else 64)
     started = time.perf_counter()
-    tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device, fused_optimizer=fused_optimizer,
-               max_grad_norm=max_grad_norm, norm_type=norm_type)
-    costs = planner_options.pop("costs", None)
-    if planner != "none":  # op times and workspace first: the unplanned peak includes workspace
-        costs = costs if costs is not None else default_costs(tg)
-        costs.annotate(tg)
-    # compact: reuse freed bytes first, so the arena is the peak rather than the sum of all values
-    keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=alignment, compact=True)
-    peak = unplanned_peak(keep_all)
-    gpu_budget = parse_budget(budget, peak)
-    cpu_bytes = parse_budget(cpu_budget, peak) if cpu_budget is not None else None
-    log.info("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
-             time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
-    if gpu_budget >= peak:  # everything fits: nothing to plan
-        try:  # the paper's allocate-ahead build leaves the runtime more freedom than the compact one...
-            mg = build(tg, Plan(gpu_budget=gpu_budget, cpu_budget=cpu_bytes, planner="none"), alignment=alignment)
-        except InfeasibleBudget:
-            mg = None
-        if mg is None or mg.summary()["bytes_offloaded"] > 0:  # ...unless it has to evict to get it
-            mg = keep_all
-            mg.plan.gpu_budget, mg.plan.cpu_budget = gpu_budget, cpu_bytes
-    else:
-        if planner == "auto" and device.type == "cuda":
-            candidates = planners.plan_candidates(tg, gpu_budget, cpu_bytes, costs=costs, alignment=alignment,
-                                                  **planner_options)
-            mgs = [build(tg, plan, alignment=alignment) for plan in candidates]
-            mg = mgs[0] if len(mgs) == 1 else fastest_simulated(mgs, costs, device.type)
+    with Phases(list(PHASES), enabled=verbose) as progress:
+        with progress.phase("tracing"):
+            tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device,
+                       fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type)
+        costs = planner_options.pop("costs", None)
+        if planner != "none":  # op times and workspace first: the unplanned peak includes workspace
+            with progress.phase("measuring op costs"):
+                costs = costs if costs is not None else default_costs(tg)
+                costs.annotate(tg)
         else:
-            plan = make_plan(tg, gpu_budget, cpu_bytes, planner, costs=costs, alignment=alignment,
-                             **planner_options)
-            mg = build(tg, plan, alignment=alignment)
-    mg.optimizer = optimizer  # engine.run follows its hyperparameters (LR schedulers)
-    mg.initial_state = dict(tg.initial_state)
-    mg.names = dict(tg.state_names)
-    mg.device = str(device)
-    mg.stats["unplanned_peak"] = peak
-    log.info("compiled in %.1fs: %s", time.perf_counter() - started, mg.summary())
+            progress.skip("measuring op costs")
+        with progress.phase("planning"):
+            # compact: reuse freed bytes first, so the arena is the peak rather than the sum of all values
+            keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=alignment, compact=True)
+            peak = unplanned_peak(keep_all)
+            gpu_budget = parse_budget(budget, peak)
+            cpu_bytes = parse_budget(cpu_budget, peak, what="cpu_budget") if cpu_budget is not None else None
+            log.debug("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
+                      time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
+            candidates = None
+            if gpu_budget < peak:
+                progress.describe("planning", _planning_detail(planner, planner_options))
+                if planner == "auto" and device.type == "cuda":
+                    candidates = planners.plan_candidates(tg, gpu_budget, cpu_bytes, costs=costs, alignment=alignment,
+                                                          **planner_options)
+                else:
+                    candidates = [make_plan(tg, gpu_budget, cpu_bytes, planner, costs=costs, alignment=alignment,
+                                            **planner_options)]
+        with progress.phase("building"):
+            if candidates is None:  # everything fits: nothing to plan
+                mg = keep_everything(tg, keep_all, gpu_budget, cpu_bytes, alignment)
+            else:
+                mgs = [build(tg, plan, alignment=alignment) for plan in candidates]
+                mg = mgs[0] if len(mgs) == 1 else fastest_simulated(mgs, costs, device.type)
+            mg.optimizer = optimizer  # engine.run follows its hyperparameters (LR schedulers)
+            mg.initial_state = dict(tg.initial_state)
+            mg.names = dict(tg.state_names)
+            mg.device = str(device)
+            mg.stats["unplanned_peak"] = peak
+            mg.stats["compile_seconds"] = time.perf_counter() - started
+            record_prediction(mg, costs, device)
+    report = compile_report(mg)
+    log.info("%s", report)
+    if report_printed(verbose):
+        print(report, file=sys.stderr)
     return mg
+
+
+def report_printed(verbose: bool) -> bool:
+    """Whether compile(verbose=verbose) prints its report on stderr: on a terminal, when logging
+    does not already show this module's INFO messages (callers that print it themselves, like
+    the demo, ask here to print it once)."""
+    return verbose and stderr_is_terminal() and not log.isEnabledFor(logging.INFO)
+
+
+def _planning_detail(planner: str, options: dict) -> str:
+    if planner in ("auto", "ilp"):
+        return f"ILP, up to {options.get('time_limit', 30.0):g} s"
+    return "greedy" if planner == "greedy" else ""
+
+
+def keep_everything(tg, keep_all: MemGraph, gpu_budget: int, cpu_bytes: int | None, alignment: int) -> MemGraph:
+    """The MemGraph when the budget holds the unplanned peak."""
+    try:  # the paper's allocate-ahead build leaves the runtime more freedom than the compact one...
+        mg = build(tg, Plan(gpu_budget=gpu_budget, cpu_budget=cpu_bytes, planner="none"), alignment=alignment)
+    except InfeasibleBudget:
+        mg = None
+    if mg is None or mg.summary()["bytes_offloaded"] > 0:  # ...unless it has to evict to get it
+        mg = keep_all
+        mg.plan.gpu_budget, mg.plan.cpu_budget = gpu_budget, cpu_bytes
+    return mg
+
+
+def record_prediction(mg: MemGraph, costs, device: torch.device) -> None:
+    """Store the predicted step time where op costs were measured on this very device (the
+    simulator's when compile ran it, else the planner's, else one simulation now), and the
+    device's name; on the CPU backend, or with analytic costs, there is no prediction."""
+    if costs is None or not getattr(costs, "measure", False) or device.type != "cuda":
+        return
+    seconds = mg.stats.get("simulated_step_s", mg.plan.predicted_time)
+    if seconds is None:
+        seconds = simulate(mg, costs, backend=device.type).step_time
+    mg.stats["predicted_step_s"] = float(seconds)
+    mg.stats["costs_measured_on"] = device_name(str(device))
 
 
 def fastest_simulated(candidates: list[MemGraph], costs, backend: str) -> MemGraph:

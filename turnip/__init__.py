@@ -3,6 +3,8 @@
     from turnip import memgraph, engine
     mg = memgraph.compile(model, loss_fn, batch, optimizer=opt, budget="6GiB")
     out = engine.run(mg, batch)
+
+From a shell: python -m turnip {demo,info,plot,bench} (python -m turnip --help).
 """
 
 __version__ = "0.1.0"

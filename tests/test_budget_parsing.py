@@ -1,0 +1,138 @@
+"""Budgets as users write them (ir/budget.py): one meaning, clear refusals."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from turnip.bench.models import mlp
+from turnip.ir.budget import BudgetError, budget_fields, check_budget, format_bytes, parse_budget
+
+from turnip import memgraph
+
+PEAK = 10 * 2**30  # a 10 GiB unplanned peak
+GiB, MiB = 2**30, 2**20
+
+
+@pytest.mark.parametrize("budget,want", [
+    (None, PEAK),
+    (1.0, PEAK),
+    (0.5, PEAK // 2),
+    (0.25, PEAK // 4),
+    ("50%", PEAK // 2),
+    (" 12.5 % ", PEAK // 8),
+    ("100%", PEAK),
+    ("0.5", PEAK // 2),  # a bare number in a string reads like the number: a fraction
+    ("6GiB", 6 * GiB),
+    ("6 GiB", 6 * GiB),
+    ("6gib", 6 * GiB),
+    ("512MiB", 512 * MiB),
+    ("1.5GB", 1_500_000_000),
+    ("2G", 2 * GiB),
+    ("512KiB", 512 * 1024),  # a unit makes a small size deliberate
+    (6 * GiB, 6 * GiB),
+    (MiB, MiB),
+    ("6442450944", 6 * GiB),
+    (np.int64(3 * GiB), 3 * GiB),
+    (np.float32(0.5), PEAK // 2),
+])
+def test_valid_budgets(budget, want):
+    assert parse_budget(budget, PEAK) == want
+
+
+@pytest.mark.parametrize("budget,match", [
+    (1, "did you mean a fraction"),
+    (512, "did you mean a fraction"),
+    (MiB - 1, "did you mean a fraction"),
+    ("1", "did you mean a fraction"),  # a bare number in a string reads like the int it spells
+    (0, "must be positive"),
+    (-4 * GiB, "must be positive"),
+    (1.5, r"must lie in \(0, 1\].*needs a unit"),
+    (2.0, r"must lie in \(0, 1\]"),
+    (6e9, r"must lie in \(0, 1\]"),
+    (0.0, r"must lie in \(0, 1\]"),
+    (-0.5, r"must lie in \(0, 1\]"),
+    (math.nan, r"must lie in \(0, 1\]"),
+    (math.inf, r"must lie in \(0, 1\]"),
+    ("150%", r"must lie in \(0, 1\]"),
+    ("0%", r"must lie in \(0, 1\]"),
+    ("1.5", r"must lie in \(0, 1\]"),
+    ("6 parsecs", "unknown unit 'parsecs'"),
+    ("GiB", "cannot read"),
+    ("", "cannot read"),
+    ("-6GiB", "cannot read"),
+    ("half", "cannot read"),
+    (True, "is not a budget"),
+    ([0.5], "is not a budget"),
+    (torch.tensor(0.5), "is not a budget"),
+])
+def test_invalid_budgets_are_refused_clearly(budget, match):
+    with pytest.raises(BudgetError, match=match) as info:
+        parse_budget(budget, PEAK)
+    assert isinstance(info.value, ValueError)
+    assert "budget=" in str(info.value)  # names the argument and repeats what was given
+
+
+def test_fraction_error_names_the_unplanned_peak_when_known():
+    with pytest.raises(BudgetError, match=r"unplanned peak \(10.00 GiB\)"):
+        parse_budget(1.5, PEAK)
+    with pytest.raises(BudgetError, match=r"unplanned peak and must"):
+        check_budget(1.5)
+
+
+def test_the_one_byte_mistake_suggests_a_fraction_and_a_unit():
+    with pytest.raises(BudgetError) as info:
+        parse_budget(1, PEAK, what="cpu_budget")
+    msg = str(info.value)
+    assert "cpu_budget=1" in msg and "did you mean a fraction?" in msg and "'50%'" in msg and "'1B'" in msg
+
+
+def test_check_budget_accepts_what_parse_budget_accepts():
+    for budget in (None, 0.5, "50%", "6GiB", 6 * GiB):
+        check_budget(budget)  # no error
+    with pytest.raises(BudgetError):
+        check_budget(1)
+
+
+def test_budget_fields_report_bytes_and_fraction():
+    assert budget_fields(PEAK // 4, PEAK) == {"budget_bytes": PEAK // 4, "unplanned_peak": PEAK,
+                                              "budget_fraction": 0.25}
+    assert budget_fields(PEAK, None)["budget_fraction"] is None
+
+
+@pytest.mark.parametrize("n", [0, 1000, 1536, 3 * MiB, 6 * GiB, 5 * 2**40])
+def test_compact_sizes_read_back(n):
+    if n == 0:
+        assert format_bytes(0) == "0 B"
+        return
+    assert parse_budget(format_bytes(n, compact=True), PEAK) == n
+
+
+def test_compile_refuses_an_unreadable_budget_before_tracing():
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(1)
+        return mlp.mlp_loss(model, batch)
+
+    model = mlp.MLP()
+    with pytest.raises(BudgetError, match="did you mean a fraction"):
+        memgraph.compile(model, loss_fn, mlp.example_batch(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         budget=1, device="cpu", verbose=False)
+    with pytest.raises(BudgetError, match="cpu_budget="):
+        memgraph.compile(model, loss_fn, mlp.example_batch(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         budget=0.5, cpu_budget="lots", device="cpu", verbose=False)
+    assert not calls, "the step was traced before the budget was read"
+
+
+@pytest.mark.parametrize("budget", ["50%", 0.5, "0.5"])
+def test_compile_reads_every_form_of_a_fraction_alike(budget):
+    torch.manual_seed(0)
+    model = mlp.MLP(depth=4, hidden=128)
+    mg = memgraph.compile(model, mlp.mlp_loss, mlp.example_batch(batch=32),
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1), budget=budget, device="cpu",
+                          verbose=False)
+    assert mg.plan.gpu_budget == int(0.5 * mg.stats["unplanned_peak"])
+    assert mg.arena_bytes <= mg.plan.gpu_budget
