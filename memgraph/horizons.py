@@ -97,7 +97,7 @@ class HorizonWalk:
             packed, top = pack(stays(self.tg, self.sched))
             if offset + top <= capacity:
                 self.packed = {v: offset + at for v, at in packed.items()}
-            self.stats["packed_arena_bytes"] = offset + top
+            self.stats["packed_arena_bytes"] = int(offset + top)
             self.stats["seconds_pack"] = time.perf_counter() - started
         self.cpu_alloc = RangeAllocator(0, cpu_limit, "cpu", fresh_time=UNBOUNDED, two_sided=False)
         for v in range(len(values)):
