@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import time
 from pathlib import Path
 
 import torch
+from torch.utils import _pytree as pytree
 from turnip.engine.chrome_trace import write_trace
 from turnip.engine.errors import BatchError, EngineError
 from turnip.engine.loop import Record, Scheduler, drive
 from turnip.engine.policy import Policy, make_policy
 from turnip.engine.resources import StreamPool, WorkspacePool, stream_counts
-from turnip.ir.memgraph import MemGraph
-from turnip.ir.taskgraph import flatten_batch_structure
+from turnip.ir.memgraph import MemGraph, Stream
+from turnip.ir.taskgraph import batch_leaf_names, flatten_batch_structure
 
 log = logging.getLogger(__name__)
 
@@ -42,30 +44,77 @@ def _input_name(value, leaf: int) -> str:
     return value.name.removeprefix("batch:") if value.name else f"leaf {leaf}"
 
 
-def flatten_batch(mg: MemGraph, batch) -> list[torch.Tensor]:
-    """The batch's tensor leaves, in the traced order, after checking them against the example."""
-    tg = mg.taskgraph
+def _structure(spec) -> str:
+    """A batch structure in one line: its leaves' paths."""
+    names = batch_leaf_names(spec)
+    return f"leaves {', '.join(names)}" if names else "no leaves"
+
+
+def _same_constant(got, want) -> bool:
+    if type(got) is not type(want):
+        return False
+    return got == want or (isinstance(want, float) and math.isnan(want) and math.isnan(got))
+
+
+def _size_hint(leaf: torch.Tensor, value) -> str:
+    """Advice when only the first (batch) dimension differs."""
+    if leaf.dtype != value.dtype or leaf.dim() != len(value.shape) or leaf.dim() == 0 \
+            or tuple(leaf.shape[1:]) != tuple(value.shape[1:]):
+        return ""
+    if leaf.shape[0] < value.shape[0]:
+        return (" (a last, partial batch? use DataLoader(..., drop_last=True), or compile a MemGraph for "
+                "this batch size too)")
+    return " (another batch size than the traced example's: compile a MemGraph for this batch size)"
+
+
+def check_batch(tg, batch) -> list[torch.Tensor]:
+    """The batch's tensor leaves in the order of ``tg.batch_inputs``, after checking the batch against
+    the traced example: the same structure (lists and tuples alike, dict keys in any order), tensors
+    of the same shapes and dtypes, and non-tensor leaves (compile-time constants) equal. Raises
+    BatchError, one line naming the input, otherwise."""
     leaves, spec = flatten_batch_structure(batch)
     expected = [tg.values[v] for v in tg.batch_inputs]
-    if len(leaves) != len(expected):
-        names = ", ".join(repr(_input_name(v, i)) for i, v in enumerate(expected)) or "none"
-        raise BatchError(f"batch has {len(leaves)} leaves, the traced example had {len(expected)} ({names})")
+    constants = tg.batch_constants
+    if len(leaves) != len(expected) + len(constants):
+        if tg.batch_spec is not None:
+            names = ", ".join(batch_leaf_names(tg.batch_spec)) or "none"
+        else:
+            names = ", ".join(repr(_input_name(v, i)) for i, v in enumerate(expected)) or "none"
+        raise BatchError(f"batch has {len(leaves)} leaves, the traced example had "
+                         f"{len(expected) + len(constants)} ({names})")
     if tg.batch_spec is not None and spec != tg.batch_spec:
-        raise BatchError(f"batch structure {spec} differs from the traced example's {tg.batch_spec}")
-    for i, (leaf, value) in enumerate(zip(leaves, expected)):
+        got, want = _structure(spec), _structure(tg.batch_spec)
+        if got == want:  # same paths, other containers (a named tuple for a tuple, say)
+            got, want = repr(pytree.tree_unflatten([0] * spec.num_leaves, spec)), \
+                repr(pytree.tree_unflatten([0] * tg.batch_spec.num_leaves, tg.batch_spec))
+        raise BatchError(f"batch structure differs from the traced example's: {got}, expected {want}")
+    names = batch_leaf_names(tg.batch_spec) if tg.batch_spec is not None else None
+    tensors = []
+    it = iter(expected)
+    for i, leaf in enumerate(leaves):
+        if i in constants:
+            want = constants[i]
+            if not _same_constant(leaf, want):
+                raise BatchError(f"batch input '{names[i] if names else i}' (leaf {i}) is a constant of the "
+                                 f"compiled step: traced with {want!r} ({type(want).__name__}), got {leaf!r} "
+                                 f"({type(leaf).__name__}); pass it as a tensor, or compile again for this value")
+            continue
+        value = next(it)
         want = f"shape {tuple(value.shape)} {_dtype_name(value.dtype)}"
         name = _input_name(value, i)
         if not isinstance(leaf, torch.Tensor):
             raise BatchError(f"batch input '{name}' (leaf {i}): expected a tensor of {want}, "
                              f"got {type(leaf).__name__}")
         if tuple(leaf.shape) != tuple(value.shape) or leaf.dtype != value.dtype:
-            partial = (leaf.dtype == value.dtype and leaf.dim() == len(value.shape) and leaf.dim() > 0
-                       and tuple(leaf.shape[1:]) == tuple(value.shape[1:]) and leaf.shape[0] < value.shape[0])
-            hint = (" (a last, partial batch? use DataLoader(..., drop_last=True), or compile a MemGraph for "
-                    "this batch size too)") if partial else ""
             raise BatchError(f"batch input '{name}' (leaf {i}): expected {want}, "
-                             f"got {tuple(leaf.shape)} {_dtype_name(leaf.dtype)}{hint}")
-    return leaves
+                             f"got {tuple(leaf.shape)} {_dtype_name(leaf.dtype)}{_size_hint(leaf, value)}")
+        tensors.append(leaf)
+    return tensors
+
+
+def flatten_batch(mg: MemGraph, batch) -> list[torch.Tensor]:
+    """The batch's tensor leaves, in the traced order, after checking them against the example."""
+    return check_batch(mg.taskgraph, batch)
 
 
 def get_runtime(mg: MemGraph):
@@ -113,6 +162,9 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
         # fuzzing: random orders also get random worker delays where a backend supports them
         runtime.fuzz_seed = getattr(policy, "seed", None) if policy.name == "random" else None
         runtime.timing = trace is not None  # device timestamps cost events: only when tracing
+        # one compute stream per device: no two vertices' op workspaces are ever in use at once
+        runtime.shared_workspace = all(n == 1 for (stream, _), n in zip(graph.keys, pool.sizes)
+                                       if stream is Stream.COMPUTE)
         runtime.begin_step(mg, leaves, step)
         completions = runtime.completion_source()
         notify = completions.put

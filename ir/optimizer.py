@@ -1,14 +1,25 @@
-"""OptimizerSpec: the optimizer kind and hyperparameters a traced TaskGraph updates with.
+"""The optimizer a compiled step applies: its spec (saved with the graph) and its torch-facing view.
 
-Plain data (it is saved with the graph); ``scalars`` turns it into the host
-scalars each step's `ScalarRef`s resolve to. Read from a torch optimizer by
-``memgraph.optim.spec_from_optimizer``.
+OptimizerSpec is plain data (it is saved with the graph); ``scalars`` turns it
+into the host scalars each step's `ScalarRef`s resolve to. Read from a torch
+optimizer by ``memgraph.optim.spec_from_optimizer``.
+
+CompiledOptimizer is ``mg.optimizer``: a torch.optim.Optimizer over the
+MemGraph, whose ``param_groups`` are the torch optimizer's (an LR scheduler
+acts on the step) and whose ``state_dict()`` is in torch's format with the
+states the step keeps in its homes, so training can move back to eager with
+``opt.load_state_dict(mg.optimizer.state_dict())``.
 """
 
 from __future__ import annotations
 
 import numbers
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 # hyperparameters a step reads as host scalars, so an LR scheduler (or a user) may change them between
 # steps; a change that alters the traced update itself (a zero becoming non-zero) needs a new compile
@@ -21,6 +32,13 @@ class OptimizerSpec:
     kind: str  # "sgd" | "adam" | "adamw"
     groups: list[dict] = field(default_factory=list)  # per param group: lr, betas, eps, weight_decay, momentum, ...
     initial_step: int = 0  # steps the torch optimizer had already taken
+    # per param group, the model's names of its parameters in the group's order (torch numbers the
+    # parameters of a state_dict in this order)
+    params: list[list[str]] = field(default_factory=list)
+
+    def state_keys(self) -> tuple[str, ...]:
+        """The tensors torch.optim keeps per parameter for this kind (SGD: only with momentum)."""
+        return ("momentum_buffer",) if self.kind == "sgd" else ("step", "exp_avg", "exp_avg_sq")
 
     def follow(self, param_groups: list[dict]) -> None:
         """Take the torch optimizer's current hyperparameters (set by an LR scheduler, say), so the
@@ -79,3 +97,119 @@ class OptimizerSpec:
                 out[f"g{g}.weight_decay"] = wd
                 out[f"g{g}.decay_factor"] = 1 - lr * wd
         return out
+
+
+def state_value_name(param: str, key: str) -> str:
+    """The TaskGraph name of optimizer state `key` of parameter `param` (e.g. "opt:fc.weight.exp_avg")."""
+    return f"opt:{param}.{key}"
+
+
+def _scalar_dtype() -> torch.dtype:
+    """The dtype torch.optim gives the "step" tensors it creates (torch.optim.optimizer._get_scalar_dtype)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+class CompiledOptimizer(torch.optim.Optimizer):
+    """``mg.optimizer``: the optimizer of a compiled step, as torch.optim sees optimizers.
+
+    param_groups: the torch optimizer's given to compile (the very dicts: an LR scheduler stepped on
+    either changes what the next engine.run uses), or for a MemGraph without one (loaded from a file),
+    groups made from the saved hyperparameters with parameter names for parameters.
+    state / state_dict(): the step's current optimizer states (after the last engine.run), read from
+    the MemGraph's homes, keyed as torch.optim keys them, so
+    ``opt.load_state_dict(mg.optimizer.state_dict())`` lets an eager optimizer over the same
+    parameters (model.load_state_dict(mg.state_dict())) go on exactly where the compiled step stopped.
+    The step itself runs through engine.run only: step() and load_state_dict() refuse.
+    """
+
+    def __init__(self, mg: Any, optimizer: torch.optim.Optimizer | None = None):
+        # Optimizer.__init__ is not called: it copies the groups (a scheduler on the user's optimizer would
+        # no longer reach the step) and needs parameter tensors, which a loaded MemGraph does not have
+        spec = mg.taskgraph.optimizer
+        if spec is None:
+            raise ValueError("the MemGraph was compiled without an optimizer")
+        self._memgraph = weakref.ref(mg)  # no cycle: mg holds this, and its runtime holds the arena
+        self._torch = optimizer
+        if optimizer is not None and [len(g["params"]) for g in optimizer.param_groups] != [len(n) for n in spec.params]:
+            raise ValueError("the optimizer's param groups are not the ones the MemGraph was compiled with")
+        self._groups = None if optimizer is not None else [
+            {**hp, "params": list(names)} for hp, names in zip(spec.groups, spec.params, strict=True)]
+        self.defaults = dict(optimizer.defaults) if optimizer is not None else {}
+        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                      "load_state_dict_post"):
+            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self._torch.param_groups if self._torch is not None else self._groups
+
+    def _live(self):
+        mg = self._memgraph()
+        if mg is None:
+            raise RuntimeError("the MemGraph of this optimizer no longer exists")
+        return mg, mg.taskgraph.optimizer
+
+    def steps_taken(self) -> int:
+        """Updates the compiled step has applied (those of the torch optimizer before compile included)."""
+        mg, spec = self._live()
+        if mg.runtime is not None:
+            return int(mg.runtime.step)
+        return int(mg.stats.get("step", spec.initial_step))
+
+    def _states(self) -> list[dict[str, torch.Tensor] | None]:
+        """Per parameter, in torch's numbering: its state as torch.optim would hold it, None where torch
+        would hold none (no update taken yet, SGD without momentum, a parameter that gets no gradient)."""
+        mg, spec = self._live()
+        steps = self.steps_taken()
+        by_name = {v.name: v.id for v in mg.taskgraph.values if v.name.startswith("opt:")}
+        names = [name for group in spec.params for name in group]
+        if steps == 0:
+            return [None] * len(names)
+        tensors = mg.runtime.persistent_state(mg) if mg.runtime is not None else mg.initial_state
+        out = []
+        for name in names:
+            state = {}
+            for key in spec.state_keys():
+                if key == "step":
+                    continue
+                vid = by_name.get(state_value_name(name, key))
+                if vid is not None:
+                    state[key] = tensors[vid].detach().clone()
+            if state and "step" in spec.state_keys():
+                state = {"step": torch.tensor(float(steps), dtype=_scalar_dtype()), **state}
+            out.append(state or None)
+        return out
+
+    @property
+    def state(self) -> dict:
+        """{parameter: {"exp_avg": ..., ...}} as torch.optim's ``opt.state`` (CPU copies; keyed by
+        parameter name for a MemGraph without its torch optimizer)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        return {p: st for p, st in zip(params, self._states(), strict=True) if st is not None}
+
+    def state_dict(self) -> dict:
+        """{"state": {index: {...}}, "param_groups": [{..., "params": [index, ...]}]}, as
+        torch.optim.Optimizer.state_dict gives it, with the step's current states."""
+        states = self._states()
+        groups, start = [], 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(packed)
+        return {"state": {i: st for i, st in enumerate(states) if st is not None}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        raise NotImplementedError(
+            "a compiled step's optimizer states are loaded at compile: load the state dict into the torch "
+            "optimizer (opt.load_state_dict(...)) and compile with it, which starts from its states and step")
+
+    def step(self, closure=None):
+        raise RuntimeError("the compiled step applies its optimizer update inside engine.run(mg, batch)")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: the compiled step keeps no gradients between steps."""
+
+    def __repr__(self) -> str:
+        kind = type(self._torch).__name__ if self._torch is not None else self._live()[1].kind
+        return f"CompiledOptimizer({kind}, {len(self.param_groups)} param groups, {self.steps_taken()} steps)"

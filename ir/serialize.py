@@ -41,7 +41,9 @@ from safetensors.torch import save as save_tensors
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 FORMAT = "turnip.memgraph"
-VERSION = 2  # 1 was a pickle, which loading refuses: it could run code
+# 1 was a pickle, which loading refuses: it could run code; 3 added MemGraph.segments,
+# TaskGraph.batch_constants and OptimizerSpec.params
+VERSION = 3
 GRAPH_MEMBER = "graph.json"
 STATE_MEMBER = "state.safetensors"
 
@@ -305,7 +307,7 @@ def load(path: str | Path, types: Iterable[type]) -> Any:
     path = Path(path)
     if not zipfile.is_zipfile(path):
         raise ValueError(f"{path} is not a turnip MemGraph file (not a zip archive; files saved before format "
-                         f"version {VERSION} were pickles, which are refused because loading one could run "
+                         f"version 2 were pickles, which are refused because loading one could run "
                          f"code: compile the model and save it again)")
     try:
         with zipfile.ZipFile(path) as zf:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections import Counter
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +26,9 @@ from torch.utils import _pytree as pytree
 class ValueKind(str, enum.Enum):
     BATCH = "batch"  # user input, copied in each step
     PARAMETER = "parameter"  # trainable: updated by the step, bound to its output
-    FROZEN = "frozen"  # requires_grad=False parameter or buffer: read-only input
+    # requires_grad=False parameter or buffer: read-only input, except a buffer the step updates in place
+    # (BatchNorm's running statistics), which is bound to its new version like an optimizer state
+    FROZEN = "frozen"
     OPTIMIZER_STATE = "optimizer_state"  # updated by the step, bound to its output
     CONSTANT = "constant"  # tensor baked into the trace (e.g. a scalar tensor)
     INTERMEDIATE = "intermediate"  # produced by a vertex
@@ -132,17 +134,39 @@ def map_refs(template: Any, fn) -> Any:
     return template
 
 
-def flatten_batch_structure(batch: Any) -> tuple[list, Any]:
-    """A batch's leaves and its pytree structure with lists read as tuples: a DataLoader yields
-    lists where an example was a tuple, and the two are the same batch."""
-    def as_tuples(x):
-        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):  # named tuples keep their type
-            return tuple(as_tuples(y) for y in x)
-        if isinstance(x, dict):
-            return {k: as_tuples(v) for k, v in x.items()}
-        return x
+_PLAIN_DICTS = (dict, OrderedDict, defaultdict)  # read as one kind of mapping; other dict subclasses keep theirs
 
-    return pytree.tree_flatten(as_tuples(batch))
+
+def normalized_batch(batch: Any) -> Any:
+    """The batch as the compiled step sees it: lists read as tuples (a DataLoader yields lists where an
+    example was a tuple) and dicts with their keys sorted (a loader may build them in another order)."""
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):  # named tuples keep their type
+        return tuple(normalized_batch(x) for x in batch)
+    if type(batch) in _PLAIN_DICTS:
+        return {k: normalized_batch(batch[k]) for k in sorted(batch, key=lambda k: (type(k).__name__, repr(k)))}
+    return batch
+
+
+def flatten_batch_structure(batch: Any) -> tuple[list, Any]:
+    """A normalized batch's leaves and pytree structure (see normalized_batch): two batches a
+    loader may give for one example flatten alike."""
+    return pytree.tree_flatten(normalized_batch(batch))
+
+
+def normalized_positions(batch: Any) -> list[int]:
+    """positions[i]: the index, among ``pytree.tree_flatten(batch)``'s leaves, of the normalized
+    batch's leaf i (normalizing keeps every leaf's key path, only the order changes)."""
+    index = {pytree.keystr(path): j for j, (path, _) in enumerate(pytree.tree_flatten_with_path(batch)[0])}
+    paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(normalized_batch(batch))[0]]
+    if len(index) != len(paths) or set(index) != set(paths):
+        raise ValueError(f"batch leaves {sorted(index)} do not all keep their paths {sorted(paths)} when normalized")
+    return [index[path] for path in paths]
+
+
+def batch_leaf_names(spec: Any) -> list[str]:
+    """The path of every leaf of a batch structure, as in "['input_ids']" or "[1]"."""
+    blank = pytree.tree_unflatten([0] * spec.num_leaves, spec)
+    return [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(blank)[0]]
 
 
 @dataclass
@@ -153,8 +177,11 @@ class TaskGraph:
     bindings: dict[int, int] = field(default_factory=dict)  # persistent input value id -> updated value id
     optimizer: Any = None  # OptimizerSpec for traced graphs (scalar table per step)
     device: str = "cpu"  # device type the graph was traced for
-    batch_inputs: list[int] = field(default_factory=list)  # BATCH value ids in the batch's pytree leaf order
-    batch_spec: Any = None  # torch.utils._pytree TreeSpec of the example batch (None for synthetic graphs)
+    batch_inputs: list[int] = field(default_factory=list)  # BATCH value ids, in the normalized batch's leaf order
+    batch_spec: Any = None  # torch.utils._pytree TreeSpec of the normalized example batch (None for synthetic graphs)
+    # leaves of the normalized example batch that are not tensors (a float, a str): compile-time constants,
+    # by leaf index; a batch must hold equal ones
+    batch_constants: dict[int, Any] = field(default_factory=dict)
     initial_state: dict[int, Any] = field(default_factory=dict)  # persistent value -> its tensor at trace time
     state_names: dict[str, int] = field(default_factory=dict)  # model state_dict key -> persistent value id
     # bytes the engine's streams keep besides arena and op workspace (cuBLAS/cuDNN workspaces of a new
@@ -268,6 +295,7 @@ class TaskGraph:
             outputs=dict(self.outputs),
             bindings=dict(self.bindings),
             batch_inputs=list(self.batch_inputs),
+            batch_constants=dict(self.batch_constants),
             initial_state=dict(self.initial_state),
             state_names=dict(self.state_names),
         )

@@ -39,6 +39,28 @@ def is_random(op: torch._ops.OpOverload) -> bool:
     return torch.Tag.nondeterministic_seeded in op.tags
 
 
+# Ops that write arguments their schema does not mark as written: op -> (index of the flag argument that
+# says whether they do, indices of the arguments written). BatchNorm in training updates its running
+# statistics in place; the trace gives them new versions like any in-place op's.
+HIDDEN_MUTATIONS = {
+    "aten::native_batch_norm": (5, (3, 4)),
+    "aten::cudnn_batch_norm": (5, (3, 4)),
+    "aten::miopen_batch_norm": (5, (3, 4)),
+}
+
+# Ops whose outputs' sizes only the backend library knows at run time (an RNN's workspace, which the
+# fake tensors of the trace give as empty), so no step can preallocate them: refused at trace, with
+# what to do instead.
+_RNN_ADVICE = ("returns a workspace whose size the backend library decides at run time, which a "
+               "preallocated step cannot hold. nn.GRU, nn.RNN and nn.LSTMCell run as ordinary ops; for nn.LSTM, "
+               "turn the fused {lib} kernel off for eager and compile alike (with {flag}: ...), so both run the "
+               "same ordinary ops")
+RUNTIME_SIZED = {
+    "aten::mkldnn_rnn_layer": _RNN_ADVICE.format(lib="oneDNN", flag="torch.backends.mkldnn.flags(enabled=False)"),
+    "aten::_cudnn_rnn": _RNN_ADVICE.format(lib="cuDNN", flag="torch.backends.cudnn.flags(enabled=False)"),
+    "aten::miopen_rnn": _RNN_ADVICE.format(lib="MIOpen", flag="torch.backends.cudnn.flags(enabled=False)"),
+}
+
 # Ops whose result is uninitialized memory: with a preallocated output there is nothing to run.
 UNINITIALIZED = frozenset({"aten::empty_like", "aten::empty.memory_format", "aten::empty_strided",
                            "aten::new_empty", "aten::new_empty_strided"})

@@ -11,6 +11,7 @@ from turnip.engine.timing_sim import simulate
 from turnip.ir.budget import check_budget, format_bytes, parse_budget
 from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import MemGraph
+from turnip.ir.optimizer import CompiledOptimizer
 from turnip.ir.plan import Plan
 from turnip.memgraph.build import build
 from turnip.memgraph.progress import Phases, stderr_is_terminal
@@ -111,7 +112,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             else:
                 mgs = [build(tg, plan, alignment=alignment) for plan in candidates]
                 mg = mgs[0] if len(mgs) == 1 else fastest_simulated(mgs, costs, device.type)
-            mg.optimizer = optimizer  # engine.run follows its hyperparameters (LR schedulers)
+            # engine.run follows its hyperparameters (LR schedulers); its state exports to eager
+            mg.optimizer = CompiledOptimizer(mg, optimizer) if optimizer is not None else None
             mg.initial_state = dict(tg.initial_state)
             mg.names = dict(tg.state_names)
             mg.device = str(device)

@@ -6,7 +6,7 @@ The oracle for every later stage: same kernels, same order as eager PyTorch.
 from __future__ import annotations
 
 import torch
-from torch.utils import _pytree as pytree
+from turnip.engine.run import check_batch
 from turnip.ir.taskgraph import TaskGraph, TensorRef
 from turnip.kernels.launch import run_vertex
 from turnip.kernels.step import RngReplay, StepContext
@@ -25,9 +25,7 @@ class ReferenceExecutor:
 
     def run(self, batch) -> dict[str, torch.Tensor]:
         tg = self.tg
-        leaves = [x for x in pytree.tree_flatten(batch)[0] if isinstance(x, torch.Tensor)]
-        if len(leaves) != len(tg.batch_inputs):
-            raise ValueError(f"batch has {len(leaves)} tensors, the graph was traced with {len(tg.batch_inputs)}")
+        leaves = check_batch(tg, batch)  # checked and ordered as engine.run does
         self.step += 1
         ctx = StepContext(tg, self.step, self.device, self.rng)
         env: dict[int, torch.Tensor] = dict(self.state)
@@ -42,7 +40,9 @@ class ReferenceExecutor:
             return torch.empty_strided(val.shape, val.stride, dtype=val.dtype, device=self.device)
 
         for vertex in tg.vertices:
-            outs = run_vertex(vertex, resolve, None, ctx.scalars, ctx.rng_state(vertex), self.device, allocate)
+            # an in-place op writes every output into its buffer (out= arguments included): give it all of them
+            buffers = [allocate(v) if v >= 0 else None for v in vertex.outputs] if vertex.copy_in else None
+            outs = run_vertex(vertex, resolve, buffers, ctx.scalars, ctx.rng_state(vertex), self.device, allocate)
             for vid, tensor in zip(vertex.outputs, outs):
                 if vid >= 0:
                     env[vid] = tensor

@@ -5,23 +5,38 @@ target device, through the real autograd engine, so the ATen ops are the ones
 eager PyTorch runs. The FX graph is then read storage by storage: an op that
 only makes a view becomes a `TensorRef` of its base value; an op that makes a
 new storage becomes a vertex with new values; an in-place op stays in place
-(see `Vertex.copy_in`). The optimizer update is appended as functional
-vertices (optim.py).
+(see `Vertex.copy_in`), module buffers included (BatchNorm's running statistics
+are bound to their last version, like optimizer states). The optimizer update is
+appended as functional vertices (optim.py). What the step cannot reproduce is
+refused up front: gradient code in loss_fn, activation checkpointing, ops whose
+output sizes only the backend knows at run time (fused RNN kernels).
 """
 
 from __future__ import annotations
 
 import logging
 import operator
+import os
+import sys
 
 import torch
 import torch.fx.experimental.symbolic_shapes
+import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind, flatten_batch_structure
-from turnip.kernels.ops import flatten_returns, is_random, op_name
+from turnip.ir.optimizer import state_value_name
+from turnip.ir.taskgraph import (
+    TaskGraph,
+    TensorRef,
+    ValueKind,
+    batch_leaf_names,
+    flatten_batch_structure,
+    normalized_positions,
+)
+from turnip.kernels.ops import HIDDEN_MUTATIONS, RUNTIME_SIZED, flatten_returns, is_random, op_name, out_variant
 from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
 from turnip.memgraph.optim import UpdateEmitter, initial_states, spec_from_optimizer
 
@@ -34,6 +49,36 @@ _DATA_DEPENDENT = tuple(
         getattr(torch.fx.experimental.symbolic_shapes, "GuardOnDataDependentSymNode", None),
     ) if exc is not None
 )
+
+
+_CHECKPOINT_ADVICE = (
+    "turnip decides itself what to keep, offload or recompute within the budget: call "
+    "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in recent transformers), or "
+    "remove the torch.utils.checkpoint call, before compile, and it recomputes where the budget needs it; the "
+    "trained numbers are the same")
+
+
+def _under_checkpoint() -> bool:
+    """True when torch.utils.checkpoint is on the call stack: its reentrant form would compute the
+    checkpointed parameters' gradients outside the traced backward (they would silently not train),
+    its other form recomputes outside the traced step."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename == torch.utils.checkpoint.__file__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _refuse_checkpointing(model: torch.nn.Module) -> None:
+    """Hugging Face models say so before the trace starts (is_activation_checkpointing, formerly
+    is_gradient_checkpointing, which now warns when read)."""
+    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), attr):
+            if getattr(model, attr) is True:
+                raise UnsupportedFeature(f"the model ({type(model).__name__}) has gradient checkpointing enabled "
+                                         f"(gradient_checkpointing_enable()): {_CHECKPOINT_ADVICE}")
+            return
 
 
 class _ModuleTracker:
@@ -52,7 +97,11 @@ class _ModuleTracker:
 
     def __enter__(self):
         for name, module in self.model.named_modules():
-            def pre(_mod, _args, name=name):
+            def pre(mod, _args, name=name):
+                if _under_checkpoint():
+                    raise UnsupportedFeature(f"module '{name}' ({type(mod).__name__}) runs under "
+                                             f"torch.utils.checkpoint (activation checkpointing, as set up by "
+                                             f"Hugging Face's gradient_checkpointing_enable()): {_CHECKPOINT_ADVICE}")
                 self.stack.append(name)
                 self.spans.append((self.node_count(), name))
 
@@ -80,6 +129,50 @@ class _ModuleTracker:
         return path
 
 
+_GRAD_ACCESS = (torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__)
+_BACKWARD = (torch.Tensor.backward, torch.autograd.backward)
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _where(frame) -> tuple[str, str]:
+    """(the function running in frame, the first place outside torch that led to it)."""
+    while frame.f_code.co_filename == torch.overrides.__file__:  # the dispatch to this mode
+        frame = frame.f_back
+    module = frame.f_globals.get("__name__", "")
+    qualname = frame.f_code.co_qualname.split(".<locals>")[0]  # the function, not its comprehension
+    name = f"{module}.{qualname}" if module.startswith("torch") else qualname
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    place = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "torch"
+    return name, place
+
+
+class _GradientGuard(TorchFunctionMode):
+    """Refuses, while loss_fn runs, what needs gradients to exist: reading or writing a parameter's
+    .grad (clip_grad_norm_, zero_grad, a hand-written clip) and calling backward. In the traced step
+    they do not exist yet, so such code would silently do nothing; the step computes the gradients
+    and applies clipping and the update itself."""
+
+    def __init__(self, names: dict[int, str]):
+        super().__init__()
+        self.names = names  # id of a traced parameter -> its name
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _GRAD_ACCESS and id(args[0]) in self.names:
+            name, place = _where(sys._getframe(1))
+            raise UnsupportedFeature(
+                f"loss_fn touches the .grad of parameter '{self.names[id(args[0])]}' (in {name}, from {place}): "
+                f"gradients do not exist while the step is traced, so this would silently do nothing. "
+                f"loss_fn must only compute the loss; to clip gradients use compile(..., max_grad_norm=..., "
+                f"norm_type=...), which clips exactly as torch.nn.utils.clip_grad_norm_ before the update")
+        if func in _BACKWARD:
+            name, place = _where(sys._getframe(1))
+            raise UnsupportedFeature(f"loss_fn calls backward() (in {name}, from {place}): return the loss "
+                                     f"and the compiled step runs the backward pass and the update itself")
+        return func(*args, **(kwargs or {}))
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -99,6 +192,12 @@ class _GraphReader:
         self.forward_end = forward_end
         self.current: dict[int, int] = {}  # storage key -> value id holding its latest version
         self.vals: dict[torch.fx.Node, object] = {}
+        self.module_state: dict[int, int] = {}  # buffer input updated in place -> its storage key
+
+    def bind_module_state(self) -> None:
+        """Each buffer the step updated in place takes its last version at the end of the step."""
+        for vid, key in self.module_state.items():
+            self.tg.bindings[vid] = self.current[key]
 
     def bind_input(self, node_val: torch.Tensor, vid: int) -> None:
         key = _storage_key(node_val)
@@ -137,6 +236,9 @@ class _GraphReader:
         name = op_name(op)
         phase = "forward" if index < self.forward_end else "backward"
         module = self.modules.module_at(index) if phase == "forward" else ""
+        if name in RUNTIME_SIZED:
+            kind = type(self.modules.model.get_submodule(module)).__name__ if module else "loss_fn"
+            raise UnsupportedOp(name, module, f"({kind}) {RUNTIME_SIZED[name]}")
         flat = flatten_returns(node.meta.get("val"))
         if any(not (t is None or isinstance(t, torch.Tensor) or type(t) in (int, float, bool)) for t in flat):
             raise UnsupportedOp(name, module, "returns a symbolic value (data-dependent result)")
@@ -149,8 +251,13 @@ class _GraphReader:
             schema = next((a for a in op._schema.arguments if a.name == key), None)
             if schema is not None and schema.alias_info is not None and schema.alias_info.is_write:
                 mutated.append(arg.meta["val"])
+        if name in HIDDEN_MUTATIONS:  # writes arguments its schema does not mark (BatchNorm's running stats)
+            flag, positions = HIDDEN_MUTATIONS[name]
+            if len(node.args) > flag and node.args[flag] is True:
+                mutated.extend(node.args[i].meta["val"] for i in positions
+                               if i < len(node.args) and isinstance(node.args[i], torch.fx.Node))
         if mutated:
-            self._read_inplace(node, op, name, module, phase, mutated, results)
+            self._read_inplace(node, op, name, module, phase, mutated, flat)
             return
         fresh = [t for t in results if _storage_key(t) not in self.current]
         if not fresh:
@@ -166,20 +273,34 @@ class _GraphReader:
                 outputs.append(self.new_value(t))
         self.tg.add_vertex(name, args, kwargs, outputs, module=module, phase=phase, random=is_random(op))
 
-    def _read_inplace(self, node, op, name, module, phase, mutated, results) -> None:
+    def _read_inplace(self, node, op, name, module, phase, mutated, flat) -> None:
+        """An op that writes some of its arguments: each written argument gets a new version (copy_in).
+        When it also returns new tensors (BatchNorm: its output and saved statistics), it runs as its
+        out= overload, so every output lands in its own buffer as the launcher expects of in-place ops."""
         keys = []
         for t in mutated:
             key = _storage_key(t)
             if key not in self.current:
                 raise UnsupportedOp(name, module, "writes into a tensor the graph does not know")
             val = self.tg.values[self.current[key]]
-            if val.kind is not ValueKind.INTERMEDIATE:
+            if val.kind is ValueKind.FROZEN and val.name.startswith("buffer:"):
+                # module state (BatchNorm's running statistics): updated in place each step, its last
+                # version bound to its home like an optimizer state's
+                self.module_state.setdefault(val.id, key)
+            elif val.kind is not ValueKind.INTERMEDIATE:
                 raise UnsupportedOp(name, module, f"mutates {val.kind.value} input '{val.name}' in place "
-                                    "(module state such as BatchNorm running statistics is not supported)")
+                                    f"(of the step's inputs only module buffers may be updated in place)")
             if key not in keys:
                 keys.append(key)
-        if any(_storage_key(t) not in self.current for t in results):
-            raise UnsupportedOp(name, module, "mutates an argument and also returns a new tensor")
+        fresh = [t for t in flat if isinstance(t, torch.Tensor) and _storage_key(t) not in self.current]
+        variant = None
+        if fresh:
+            try:
+                variant = out_variant(name)
+            except ValueError:
+                variant = None
+            if variant is None or len(fresh) != len(flat) or any(t.storage_offset() != 0 for t in fresh):
+                raise UnsupportedOp(name, module, "mutates an argument and also returns a new tensor")
         copy_in, outputs = [], []
         for key in keys:
             old = self.tg.values[self.current[key]]
@@ -188,6 +309,13 @@ class _GraphReader:
             copy_in.append((old.id, new))
             outputs.append(new)
         args, kwargs = self.template(node.args), self.template(node.kwargs)
+        if variant is not None:
+            op, out_names = variant
+            name = op_name(op)
+            for out_name, t in zip(out_names, fresh, strict=True):
+                vid = self.new_value(t)
+                kwargs[out_name] = self.tg.values[vid].dense_ref
+                outputs.append(vid)
         self.tg.add_vertex(name, args, kwargs, outputs, module=module, phase=phase, random=is_random(op),
                            copy_in=tuple(copy_in))
 
@@ -217,6 +345,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     itself uses multi-tensor kernels); off, the update is torch.optim's single-tensor
     implementation op for op, bitwise equal to eager (the CPU default).
     """
+    _refuse_checkpointing(model)
     params = dict(model.named_parameters())
     if device is None:
         device = next(iter(params.values())).device if params else torch.device("cpu")
@@ -239,25 +368,34 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
                                              f"parameter of the model given to compile: build the optimizer "
                                              f"over this model's parameters")
                 group_of[id(p)] = gi
+        name_of = {id(p): n for n, p in params.items()}
+        spec.params = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     trainable = {n: p for n, p in params.items() if p.requires_grad and (optimizer is None or id(p) in group_of)}
     frozen = {n: p for n, p in params.items() if n not in trainable}
     buffers = dict(model.named_buffers())
+    # the batch loss_fn sees has the example's own structure; the step's inputs follow the normalized
+    # batch (engine.run flattens every batch that way, so key order and list/tuple do not matter)
     leaves, batch_spec = pytree.tree_flatten(example_batch)
-    tensor_leaf = [isinstance(x, torch.Tensor) for x in leaves]
+    try:
+        order = normalized_positions(example_batch)  # normalized leaf i is leaves[order[i]]
+    except ValueError as err:
+        raise UnsupportedFeature(f"the example batch's structure is not supported: {err}") from None
+    batch_tensors = [j for j in order if isinstance(leaves[j], torch.Tensor)]
 
     fake_mode = FakeTensorMode()
     fake_train = [_fake_like(fake_mode, p, device, True) for p in trainable.values()]
     fake_frozen = [_fake_like(fake_mode, p, device, False) for p in frozen.values()]
     fake_buffers = [_fake_like(fake_mode, b, device, False) for b in buffers.values()]
-    fake_leaves = [_fake_like(fake_mode, x, device, False) for x, is_t in zip(leaves, tensor_leaf) if is_t]
+    fake_leaves = [_fake_like(fake_mode, leaves[j], device, False) for j in batch_tensors]
     modules = _ModuleTracker(model)
     marks = {}
 
-    def step(train, froz, bufs, batch_tensors):
+    def step(train, froz, bufs, batch_fakes):
         mapping = dict(zip(trainable, train)) | dict(zip(frozen, froz)) | dict(zip(buffers, bufs))
-        it = iter(batch_tensors)
-        batch = pytree.tree_unflatten([next(it) if is_t else x for x, is_t in zip(leaves, tensor_leaf)], batch_spec)
-        with _reparametrize_module(model, mapping, tie_weights=True), modules:
+        slot = dict(zip(batch_tensors, batch_fakes, strict=True))
+        batch = pytree.tree_unflatten([slot.get(j, x) for j, x in enumerate(leaves)], batch_spec)
+        guard = _GradientGuard({id(t): n for n, t in [*zip(trainable, train), *zip(frozen, froz)]})
+        with _reparametrize_module(model, mapping, tie_weights=True), modules, guard:
             loss = loss_fn(model, batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             raise UnsupportedFeature(f"loss_fn must return a scalar floating-point tensor, got "
@@ -282,6 +420,8 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     tg = TaskGraph(device=device.type)
     tg.optimizer = spec
     tg.batch_spec = flatten_batch_structure(example_batch)[1]
+    tg.batch_constants = {i: leaves[j] for i, j in enumerate(order) if not isinstance(leaves[j], torch.Tensor)}
+    leaf_names = batch_leaf_names(tg.batch_spec)
     reader = _GraphReader(tg, modules, marks["forward_end"])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     groups = [("param", trainable, ValueKind.PARAMETER), ("param", frozen, ValueKind.FROZEN),
@@ -290,10 +430,9 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     for prefix, tensors, kind in groups:
         for name, tensor in tensors.items():
             inputs.append((f"{prefix}:{name}", kind, tensor))
-    for i, x in enumerate(leaves):
-        if tensor_leaf[i]:
-            inputs.append((f"batch:{pytree.keystr(pytree.tree_flatten_with_path(example_batch)[0][i][0])}",
-                           ValueKind.BATCH, x))
+    for i, j in enumerate(order):
+        if isinstance(leaves[j], torch.Tensor):
+            inputs.append((f"batch:{leaf_names[i]}", ValueKind.BATCH, leaves[j]))
     if len(inputs) != len(placeholders):
         raise RuntimeError(f"traced {len(placeholders)} inputs, expected {len(inputs)}")
     input_vid = {}
@@ -326,6 +465,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
             reader.bind_input(node.meta.get("val", const), vid)
         elif node.op == "output":
             out_node = node
+    reader.bind_module_state()
     loss_node, *grad_nodes = out_node.args[0]
     tg.outputs["loss"] = reader.dense_value(reader.template(loss_node))
     grad_iter = iter(grad_nodes)
@@ -412,7 +552,7 @@ def _append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid
         state_refs = {}
         for key, tensor in initial_states(spec, optimizer, param).items():
             svid = tg.add_value(tensor.shape, tensor.stride(), tensor.dtype, tensor.untyped_storage().nbytes(),
-                                ValueKind.OPTIMIZER_STATE, name=f"opt:{name}.{key}")
+                                ValueKind.OPTIMIZER_STATE, name=state_value_name(name, key))
             tg.initial_state[svid] = tensor
             state_refs[key] = tg.values[svid].dense_ref
         if step is not None and param.is_contiguous():

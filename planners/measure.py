@@ -11,6 +11,7 @@ import logging
 import platform
 import statistics
 import time
+import warnings
 
 import torch
 from turnip.ir.taskgraph import TaskGraph, TensorRef, Vertex
@@ -88,29 +89,57 @@ def measure_vertex(tg: TaskGraph, vertex: Vertex, device: str, runs: int = 7, wa
     return statistics.median(samples), 0
 
 
-BACK_TO_BACK = 8  # launches per timing sample: a step launches op after op, so time them that way
+BACK_TO_BACK = 8  # launches per timing sample
 
 
 def _time_cuda(once, runs: int, dev: torch.device) -> tuple[float, int]:
-    """Median seconds per launch over samples of BACK_TO_BACK launches in a row (a small op is then
-    timed at the rate the host can issue it, as in a real step, not as a lone kernel on an idle
-    GPU), and the bytes allocated beyond the inputs and outputs (the op's real workspace)."""
+    """Median seconds per launch over samples of BACK_TO_BACK launches replayed as one CUDA graph,
+    as the engine replays a segment (memgraph/segments.py): the GPU's own time for the op,
+    with no host launch cost in it (the simulator charges that per launched unit); and the
+    bytes allocated beyond the inputs and outputs (the op's real workspace). An op that cannot
+    be captured is timed as BACK_TO_BACK ordinary launches in a row, as the engine runs it."""
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     once()
     torch.cuda.synchronize(dev)
     workspace = max(0, torch.cuda.max_memory_allocated(dev) - base)
+
+    def launches():
+        for _ in range(BACK_TO_BACK):
+            once()
+
+    run, graph = launches, _captured(launches, dev)
+    if graph is not None:
+        run = graph.replay
     samples = []
     for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(BACK_TO_BACK):
-            once()
+        run()
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3 / BACK_TO_BACK)
     return statistics.median(samples), workspace
+
+
+def _captured(launches, dev: torch.device) -> torch.cuda.CUDAGraph | None:
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(device=dev)  # capture never runs on the legacy default stream
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    try:
+        with torch.cuda.stream(stream), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                launches()
+            finally:
+                graph.capture_end()
+    except Exception as exc:  # noqa: BLE001 - an op that cannot be captured is timed as launched
+        log.debug("op not capturable for timing (%s); timing plain launches", exc)
+        return None
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    return graph
 
 
 def measure_stream_reserve(device: str) -> int:

@@ -140,12 +140,6 @@ def test_data_dependent_branch_is_refused():
         memgraph.trace(_BranchModel(), _mse, torch.randn(2, 4))
 
 
-def test_batchnorm_running_stats_are_refused_naming_module():
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    with pytest.raises(UnsupportedFeature, match=r"module '1'.*BatchNorm running statistics"):
-        memgraph.trace(model, _mse, torch.randn(3, 4), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-
-
 @pytest.mark.parametrize("make_opt, pattern", [
     (lambda ps: torch.optim.RMSprop(ps), "optimizer RMSprop is not supported"),
     (lambda ps: torch.optim.Adam(ps, amsgrad=True), "amsgrad=True"),

@@ -1,0 +1,107 @@
+"""Moving training back to eager: mg.optimizer.state_dict() holds the compiled step's current optimizer
+states in torch's format, so a fresh torch optimizer loads it and continues bitwise like eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from turnip.bench.models.mlp import MLP
+from turnip.ir.optimizer import CompiledOptimizer
+
+from turnip import engine, memgraph
+
+TURNIP_STEPS, EAGER_STEPS = 3, 2
+
+OPTIMIZERS = {
+    "sgd_momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01), {}),
+    "sgd_nesterov": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True), {}),
+    "sgd_plain": (lambda ps: torch.optim.SGD(ps, lr=0.1), {}),  # no state at all
+    "adam": (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01), {}),
+    "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), {}),
+    "adamw_two_groups": (lambda ps: torch.optim.AdamW(
+        [{"params": ps[:3], "lr": 1e-2}, {"params": ps[3:], "lr": 3e-3, "weight_decay": 0.0}]), {}),
+    "adamw_fused": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+                    {"fused_optimizer": True}),
+}
+
+
+def loss_fn(m, b):
+    return torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+
+def eager_step(model, opt, batch):
+    opt.zero_grad()
+    loss = loss_fn(model, batch)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def assert_same_optimizer_state(got: dict, want: dict):
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for index, state in want["state"].items():
+        assert got["state"][index].keys() == state.keys(), index
+        for key, tensor in state.items():
+            mine = got["state"][index][key]
+            assert mine.dtype == tensor.dtype and torch.equal(mine, tensor.cpu()), f"state {index} {key}"
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.5])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_exported_state_continues_in_eager_bitwise(name, budget):
+    make_opt, options = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    model = MLP(8, 32, 4, depth=6)
+    batches = [(torch.randn(32, 8), torch.randn(32, 4)) for _ in range(TURNIP_STEPS + EAGER_STEPS)]
+
+    eager_model = copy.deepcopy(model)  # the oracle: every step eager
+    eager_opt = make_opt(list(eager_model.parameters()))
+    want = [eager_step(eager_model, eager_opt, b) for b in batches[:TURNIP_STEPS]]
+    want_exported = copy.deepcopy(eager_opt.state_dict())  # its tensors are the live states
+    want += [eager_step(eager_model, eager_opt, b) for b in batches[TURNIP_STEPS:]]
+
+    opt = make_opt(list(model.parameters()))
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=opt, budget=budget, device="cpu", **options)
+    mg.optimizer = CompiledOptimizer(mg, opt)  # what compile sets mg.optimizer to (see the report)
+    assert mg.optimizer.state_dict()["state"] == {}  # no update taken yet: torch holds no state either
+    got = [engine.run(mg, b, ordering="deterministic" if k % 2 else "nondeterministic")["loss"]
+           for k, b in enumerate(batches[:TURNIP_STEPS])]
+    exported = mg.optimizer.state_dict()
+    assert_same_optimizer_state(exported, want_exported)
+
+    # back to eager: a fresh model and optimizer take the compiled step's weights and states
+    resumed = copy.deepcopy(model)
+    resumed.load_state_dict(mg.state_dict())
+    resumed_opt = make_opt(list(resumed.parameters()))
+    resumed_opt.load_state_dict(exported)
+    got += [eager_step(resumed, resumed_opt, b) for b in batches[TURNIP_STEPS:]]
+    assert all(torch.equal(a, w) for a, w in zip(got, want, strict=True)), f"{got} != {want}"
+    state = resumed.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in eager_model.state_dict().items())
+
+
+def test_state_is_keyed_by_the_optimizers_parameters_and_the_step_only_runs_in_the_engine():
+    torch.manual_seed(0)
+    model = MLP(8, 16, 4, depth=2)
+    batch = (torch.randn(8, 8), torch.randn(8, 4))
+    eager_model = copy.deepcopy(model)
+    eager_opt = torch.optim.Adam(eager_model.parameters(), lr=1e-2)
+    eager_step(eager_model, eager_opt, batch)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mg = memgraph.compile(model, loss_fn, batch, optimizer=opt, device="cpu")
+    compiled = CompiledOptimizer(mg, opt)
+    engine.run(mg, batch)
+    assert compiled.steps_taken() == 1
+    want = {id(p): st for p, st in zip(eager_model.parameters(), eager_opt.state.values())}
+    got = compiled.state
+    assert [id(p) for p in got] == [id(p) for p in model.parameters()]
+    for (p, st), want_st in zip(got.items(), want.values()):
+        assert all(torch.equal(st[k], want_st[k]) for k in want_st)
+    assert compiled.param_groups is opt.param_groups  # schedulers on either reach the step
+    with pytest.raises(RuntimeError, match="engine.run"):
+        compiled.step()
+    with pytest.raises(NotImplementedError, match="compile with it"):
+        compiled.load_state_dict(eager_opt.state_dict())
