@@ -36,6 +36,10 @@ class Plan:
     recompute: list[Recompute] = field(default_factory=list)  # in the order the copies run
     offload: set[int] = field(default_factory=set)
     home: dict[int, str] = field(default_factory=dict)  # persistent value id -> GPU | CPU
+    # CPU-homed value -> TaskGraph vertices after which its arena copy is dropped: the planner
+    # fetches it once per run of nearby readers, and the builder frees it where each run but the
+    # last ends (it is fetched again before its next reader)
+    release_after: dict[int, list[int]] = field(default_factory=dict)
     planner: str = "none"
     predicted_time: float | None = None  # seconds per step
     predicted_peak: int | None = None  # bytes

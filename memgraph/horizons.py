@@ -29,6 +29,8 @@ from turnip.ir.plan import Plan
 from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph.alloc import START, RangeAllocator, Tenancy, wait_for
 from turnip.memgraph.packing import pack, stays
+
+PREFETCH_STEPS = (16, 4, 0)  # tried in turn when packing a compact build's stays
 from turnip.memgraph.reduce import reduce_memory_edges
 from turnip.memgraph.schedule import OUT, TASK, Schedule
 
@@ -91,13 +93,17 @@ class HorizonWalk:
         # fresh bytes first (fewest dependencies), or, compact, reuse first (smallest arena)
         self.gpu = RangeAllocator(offset, capacity, "gpu", fresh_time=UNBOUNDED if self.compact else -1,
                                   two_sided=True)
-        self.packed: dict[int, int] = {}  # value -> arena offset planned offline (compact builds)
+        # value -> [(first step of a stay, arena offset)] planned offline (compact builds)
+        self.packed: dict[int, list[tuple[int, int]]] = {}
         if self.compact:
             started = time.perf_counter()
-            packed, top = pack(stays(self.tg, self.sched))
-            if offset + top <= capacity:
-                self.packed = {v: offset + at for v, at in packed.items()}
-            self.stats["packed_arena_bytes"] = int(offset + top)
+            for prefetch in PREFETCH_STEPS:  # room for reloads to start early, as much as fits
+                packed, top = pack(stays(self.tg, self.sched, prefetch))
+                self.stats["packed_arena_bytes"] = int(offset + top)
+                if offset + top <= capacity:
+                    self.packed = {v: [(s, offset + at) for s, at in spots] for v, spots in packed.items()}
+                    self.stats["packed_prefetch_steps"] = prefetch
+                    break
             self.stats["seconds_pack"] = time.perf_counter() - started
         self.cpu_alloc = RangeAllocator(0, cpu_limit, "cpu", fresh_time=UNBOUNDED, two_sided=False)
         for v in range(len(values)):
@@ -208,10 +214,15 @@ class HorizonWalk:
     def _fit(self, v: int) -> int | None:
         """Where v goes: its packed offset when those bytes are free (compact builds), else the
         allocator's choice."""
-        at = self.packed.get(v)
-        if at is not None and self.gpu.fits_at(at, self.size[v]):
-            self.stats["packed_placements"] += 1
-            return at
+        spots = self.packed.get(v)
+        if spots is not None:
+            at = spots[0][1]
+            for first, offset in spots:  # the stay that has begun by now (a reload's, after a release)
+                if first <= self.now:
+                    at = offset
+            if self.gpu.fits_at(at, self.size[v]):
+                self.stats["packed_placements"] += 1
+                return at
         return self.gpu.find_fit(self.size[v])
 
     def _revoke(self, t: Tenancy) -> None:

@@ -28,8 +28,11 @@ class Stay:
     last: int  # schedule step it is read last (inclusive: placed and read in one step overlap)
 
 
-def stays(tg: TaskGraph, sched: Schedule) -> list[Stay]:
-    """Arena stays of every value that is not a GPU home, when nothing is evicted."""
+def stays(tg: TaskGraph, sched: Schedule, prefetch: int = 0) -> list[Stay]:
+    """Arena stays of every value that is not a GPU home, evicting only where the plan says: a
+    value the schedule releases (an offloaded activation, a CPU-homed weight between fetch runs)
+    has one stay up to the release and another from ``prefetch`` steps before its next use (the
+    room its reload may start in) to its last use."""
     first: dict[int, int] = {}
     for s, step in enumerate(sched.steps):
         if step[0] != 0:  # OUT and WB steps read; they place nothing
@@ -57,12 +60,28 @@ def stays(tg: TaskGraph, sched: Schedule) -> list[Stay]:
         for v in stay.values:
             uses = sched.uses[v]
             stay.last = max(stay.last, uses[-1] if uses else first.get(v, stay.first))
-    return list(by_root.values())
+    released: dict[int, list[int]] = {}
+    for s, vids in sched.release_at.items():
+        for v in vids:
+            released.setdefault(v, []).append(s)
+    out = []
+    for root, stay in by_root.items():
+        cuts = sorted(released.get(root, ())) if len(stay.values) == 1 else []
+        start = stay.first
+        for r in cuts:
+            later = [u for u in sched.uses[root] if u > r]
+            if r < start or not later:
+                continue
+            out.append(Stay([root], stay.size, start, r))
+            start = max(r + 1, later[0] - prefetch)
+        out.append(Stay([root], stay.size, start, stay.last))
+    return out
 
 
-def pack(items: list[Stay]) -> tuple[dict[int, int], int]:
-    """(offset of each value, bytes needed): largest first, each into the smallest gap that fits
-    among the already packed stays it overlaps in time, else above them all."""
+def pack(items: list[Stay]) -> tuple[dict[int, list[tuple[int, int]]], int]:
+    """({value: [(first step of a stay, its offset), ...] in step order}, bytes needed): largest
+    first, each into the smallest gap that fits among the already packed stays it overlaps in
+    time, else above them all."""
     order = sorted(range(len(items)), key=lambda i: (-items[i].size, items[i].first - items[i].last))
     firsts = np.array([items[i].first for i in order], dtype=np.int64)
     lasts = np.array([items[i].last for i in order], dtype=np.int64)
@@ -81,8 +100,10 @@ def pack(items: list[Stay]) -> tuple[dict[int, int], int]:
         at = best if best is not None else reach
         offsets[k], ends[k] = at, at + size
         top = max(top, at + size)
-    placed = {}
+    placed: dict[int, list[tuple[int, int]]] = {}
     for k, i in enumerate(order):
         for v in items[i].values:
-            placed[v] = int(offsets[k])
-    return placed, top
+            placed.setdefault(v, []).append((items[i].first, int(offsets[k])))
+    for spots in placed.values():
+        spots.sort()
+    return placed, int(top)

@@ -114,6 +114,13 @@ class Schedule:
                 self.offload_after.add(v)
                 self.release_at.setdefault(at, []).append(v)
 
+        # -- plan.release_after: a CPU-homed value leaves the arena where a planned fetch run ends
+        for v, vids in plan.release_after.items():
+            if 0 <= v < len(values) and self.cpu_home[v]:
+                for vid in vids:
+                    if vid in self.task_step:
+                        self.release_at.setdefault(self.task_step[vid], []).append(v)
+
         # -- the most arena any single step needs at once, beside the GPU homes ----------
         self.home_bytes = sum(self.size[v] for v in range(len(values)) if self.gpu_home[v])
         self.need = [0] * len(self.steps)

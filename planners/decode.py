@@ -43,10 +43,14 @@ def to_plan(problem: Problem, decisions: Decisions, ev: Evaluation, planner: str
         oi = ev.options[gi]
         if oi >= 0 and g.options[oi].kind == OFFLOAD:
             offload.update(g.saved)
-    home = {}
+    home, release_after = {}, {}
     for ii, item in enumerate(problem.items):
         if decisions.cpu[ii]:
             home.update({v: CPU for v in item.values})
+            for v in item.values:
+                runs = item.present.get(v, [])
+                if len(runs) > 1:  # (first reader, last reader) positions of each fetch
+                    release_after[v] = [int(problem.order[last]) for _first, last in runs[:-1]]
     tg: TaskGraph = problem.tg
     stats = dict(stats)
     stats.update(ev.mix)
@@ -68,5 +72,6 @@ def to_plan(problem: Problem, decisions: Decisions, ev: Evaluation, planner: str
     return Plan(gpu_budget=problem.gpu_budget,
                 cpu_budget=None if problem.cpu_cap == float("inf") else int(problem.cpu_cap),
                 order=list(problem.order), recompute=recompute_list(problem, ev), offload=offload, home=home,
+                release_after=release_after,
                 planner=planner, predicted_time=ev.time, predicted_peak=int(ev.peak + problem.max_workspace),
                 stats=stats)

@@ -10,7 +10,7 @@ from synthetic import chain_of_blocks, random_taskgraph
 from turnip.ir.plan import Plan
 from turnip.memgraph import build, verify
 from turnip.memgraph.packing import Stay, pack, stays
-from turnip.memgraph.schedule import Schedule
+from turnip.memgraph.schedule import Schedule, aligned
 
 UNBOUNDED = 1 << 62
 
@@ -26,9 +26,10 @@ def test_pack_never_overlaps_stays_that_meet_in_time():
         for b in items:
             if a is b or a.first > b.last or b.first > a.last:
                 continue
-            oa, ob = placed[a.values[0]], placed[b.values[0]]
+            (_, oa), = placed[a.values[0]]
+            (_, ob), = placed[b.values[0]]
             assert oa + a.size <= ob or ob + b.size <= oa, f"stays {a} and {b} share bytes"
-    assert top == max(placed[s.values[0]] + s.size for s in items)
+    assert top == max(placed[s.values[0]][0][1] + s.size for s in items)
     live_peak = max(sum(s.size for s in items if s.first <= t <= s.last) for t in range(120))
     assert live_peak <= top <= 1.15 * live_peak
 
@@ -59,3 +60,45 @@ def test_compact_build_of_a_transformer_like_chain_is_exactly_the_live_peak():
     mg = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=256, compact=True)
     assert verify(mg) == []
     assert mg.arena_bytes == tg.live_peak(alignment=256)
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_a_planned_offload_splits_its_value_into_two_stays(prefetch):
+    """An offloaded activation leaves the arena between its forward and backward uses: packed as
+    two stays, its bytes serve others in the gap, and its reload's stay starts `prefetch` steps
+    early (never before the release)."""
+    tg = chain_of_blocks(6, act_bytes=1 << 16, param_bytes=1 << 12, seed=2)
+    keep = Schedule(tg, list(range(len(tg.vertices))), Plan(gpu_budget=UNBOUNDED), 256)
+    offload = {v for v in range(len(tg.values)) if len(keep.uses[v]) > 1 and keep.uses[v][-1] - keep.uses[v][0] > 10
+               and tg.values[v].producer >= 0 and not keep.gpu_home[v]}
+    assert offload
+    plan = Plan(gpu_budget=UNBOUNDED, offload=offload)
+    sched = Schedule(tg, list(range(len(tg.vertices))), plan, 256)
+    found = stays(tg, sched, prefetch)
+    by_value: dict[int, list] = {}
+    for stay in found:
+        by_value.setdefault(stay.values[0], []).append(stay)
+    released = {v: s for s, vids in sched.release_at.items() for v in vids}
+    assert released
+    for v, r in released.items():
+        first, second = sorted(by_value[v], key=lambda st: st.first)
+        assert first.last == r and r < second.first <= next(u for u in sched.uses[v] if u > r)
+        assert second.first >= next(u for u in sched.uses[v] if u > r) - prefetch
+    unsplit = sum(s.size for s in stays(tg, keep))
+    assert sum(s.size * (s.last - s.first + 1) for s in found) < sum(
+        s.size * (s.last - s.first + 1) for s in stays(tg, keep)) or unsplit == 0
+
+
+def test_compact_build_of_an_offload_plan_places_reloads_where_packed():
+    tg = chain_of_blocks(8, act_bytes=1 << 16, param_bytes=1 << 12, seed=2)
+    keep = Schedule(tg, list(range(len(tg.vertices))), Plan(gpu_budget=UNBOUNDED), 256)
+    offload = {v for v in range(len(tg.values)) if len(keep.uses[v]) > 1 and keep.uses[v][-1] - keep.uses[v][0] > 10
+               and tg.values[v].producer >= 0 and not keep.gpu_home[v]}
+    full = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=256, compact=True).arena_bytes
+    budget = int(0.8 * full)
+    mg = build(tg, Plan(gpu_budget=budget, offload=offload), alignment=256, compact=True)
+    assert verify(mg) == []
+    assert mg.arena_bytes <= budget
+    assert "packed_prefetch_steps" in mg.stats and mg.stats["packed_placements"] > 0
+    planned = sum(aligned(tg.values[v].nbytes, 256) for v in offload)
+    assert mg.summary()["bytes_offloaded"] <= planned  # nothing evicted beyond the plan
