@@ -2,7 +2,7 @@
 
 A ``.mg`` file is a zip archive of exactly two members:
 
-- ``graph.json``: ``{"format": "turnip.memgraph", "version": 2, "memgraph": ...}``,
+- ``graph.json``: ``{"format": "turnip.memgraph", "version": 4, "memgraph": ...}``,
   the MemGraph (with its TaskGraph, Plan and OptimizerSpec) as tagged JSON;
 - ``state.safetensors``: every tensor the graph holds (initial states), named
   by number; ``graph.json`` refers to them as ``{"t": "tensor", "v": "<name>"}``.
@@ -42,8 +42,8 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 FORMAT = "turnip.memgraph"
 # 1 was a pickle, which loading refuses: it could run code; 3 added MemGraph.segments,
-# TaskGraph.batch_constants and OptimizerSpec.params
-VERSION = 3
+# TaskGraph.batch_constants, OptimizerSpec.params and Plan.release_after; 4 TaskGraph.accumulation_steps
+VERSION = 4
 GRAPH_MEMBER = "graph.json"
 STATE_MEMBER = "state.safetensors"
 

@@ -182,6 +182,10 @@ class TaskGraph:
     # leaves of the normalized example batch that are not tensors (a float, a str): compile-time constants,
     # by leaf index; a batch must hold equal ones
     batch_constants: dict[int, Any] = field(default_factory=dict)
+    # micro-batches a step accumulates gradients over (compile's accumulation_steps): a batch is then a list of
+    # this many batches, each like the example (batch_spec, batch_constants), and batch_inputs holds the first
+    # micro-batch's inputs, then the second's, ...
+    accumulation_steps: int = 1
     initial_state: dict[int, Any] = field(default_factory=dict)  # persistent value -> its tensor at trace time
     state_names: dict[str, int] = field(default_factory=dict)  # model state_dict key -> persistent value id
     # bytes the engine's streams keep besides arena and op workspace (cuBLAS/cuDNN workspaces of a new

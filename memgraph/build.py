@@ -93,9 +93,9 @@ def _fewest_transfers(mg: MemGraph, graph: TaskGraph, order: list[int], plan: Pl
         packed = _attempt(graph, order, plan, alignment, plan.gpu_budget, compact=True)
     except OutOfMemory:
         return mg
-    moved = packed.summary()["bytes_offloaded"]
-    log.info("allocate-ahead build evicts %d bytes the plan keeps; packed build %d", mg.summary()["bytes_offloaded"],
-             moved)
+    moved, planned = packed.summary()["bytes_offloaded"], _planned_offload(graph, plan)
+    log.info("allocate-ahead build offloads %d bytes beyond the plan's %d; the packed build %d",
+             mg.summary()["bytes_offloaded"] - planned, planned, moved - planned)
     return packed if moved < mg.summary()["bytes_offloaded"] else mg
 
 

@@ -38,7 +38,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             budget: float | str | None = None, device: str | torch.device | None = None,
             planner: str = "auto", cpu_budget: int | str | None = None, alignment: int | None = None,
             fused_optimizer: bool | None = None, max_grad_norm: float | None = None, norm_type: float = 2.0,
-            verbose: bool = True, **planner_options) -> MemGraph:
+            accumulation_steps: int = 1, verbose: bool = True, **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
 
     budget: how much GPU memory the step may use (ir/budget.py):
@@ -59,6 +59,14 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     exact single-tensor torch.optim update (the CPU default, bitwise equal to eager).
     max_grad_norm, norm_type: clip the gradients before the update as
     torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type) would.
+    accumulation_steps: accumulate gradients over this many micro-batches per step, as eager's
+    ``opt.zero_grad(); for b in micro: loss_fn(model, b).backward(); opt.step()`` (gradients
+    summed in place in eager's order; clipping, if asked, applies to the accumulated gradient).
+    example_batch is one micro-batch; engine.run(mg, [b1, ..., bk]) then takes a list or tuple
+    of k batches like it and returns out["losses"] (the k losses of loss_fn, a tensor of shape
+    (k,)) and out["loss"] (their sum l1 + ... + lk, added in order: the loss whose gradient the
+    update applies; with the usual loss / k inside loss_fn, the mean loss). loss_fn is not
+    changed. Memory is planned over the whole step, one micro-batch's activations at a time.
     verbose: True (default) shows a progress bar over the phases "tracing", "measuring op
     costs", "planning" and "building", and prints the compile report (budget, unplanned peak,
     arena, tensors kept / offloaded / recomputed, bytes moved per step, predicted step time or
@@ -81,7 +89,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     with Phases(list(PHASES), enabled=verbose) as progress:
         with progress.phase("tracing"):
             tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device,
-                       fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type)
+                       fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type,
+                       accumulation_steps=accumulation_steps)
         costs = planner_options.pop("costs", None)
         if planner != "none":  # op times and workspace first: the unplanned peak includes workspace
             with progress.phase("measuring op costs"):

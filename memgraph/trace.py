@@ -37,6 +37,7 @@ from turnip.ir.taskgraph import (
     normalized_positions,
 )
 from turnip.kernels.ops import HIDDEN_MUTATIONS, RUNTIME_SIZED, flatten_returns, is_random, op_name, out_variant
+from turnip.memgraph.accumulate import accumulate, check_steps, loss_outputs, micro_prefix, split
 from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
 from turnip.memgraph.optim import UpdateEmitter, initial_states, spec_from_optimizer
 
@@ -186,10 +187,10 @@ def _fake_like(mode, t: torch.Tensor, device: torch.device, requires_grad: bool)
 class _GraphReader:
     """Turns the FX graph into TaskGraph vertices, tracking the current value of every storage."""
 
-    def __init__(self, tg: TaskGraph, modules: _ModuleTracker, forward_end: int):
+    def __init__(self, tg: TaskGraph, modules: _ModuleTracker, forward_spans: list[tuple[int, int]]):
         self.tg = tg
         self.modules = modules
-        self.forward_end = forward_end
+        self.forward_spans = forward_spans  # [start, end) node indices of each forward pass (one per micro-batch)
         self.current: dict[int, int] = {}  # storage key -> value id holding its latest version
         self.vals: dict[torch.fx.Node, object] = {}
         self.module_state: dict[int, int] = {}  # buffer input updated in place -> its storage key
@@ -234,7 +235,7 @@ class _GraphReader:
         if not isinstance(op, torch._ops.OpOverload):
             raise UnsupportedFeature(f"traced call {op} is not an ATen op")
         name = op_name(op)
-        phase = "forward" if index < self.forward_end else "backward"
+        phase = "forward" if any(start <= index < end for start, end in self.forward_spans) else "backward"
         module = self.modules.module_at(index) if phase == "forward" else ""
         if name in RUNTIME_SIZED:
             kind = type(self.modules.model.get_submodule(module)).__name__ if module else "loss_fn"
@@ -332,8 +333,13 @@ class _GraphReader:
 
 def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
           device: str | torch.device | None = None, fused_optimizer: bool | None = None,
-          max_grad_norm: float | None = None, norm_type: float = 2.0) -> TaskGraph:
+          max_grad_norm: float | None = None, norm_type: float = 2.0, accumulation_steps: int = 1) -> TaskGraph:
     """Trace forward, loss, backward and the optimizer update of one training step.
+
+    accumulation_steps: k > 1 traces eager's gradient accumulation (memgraph/accumulate.py): k
+    forward and backward passes, one per micro-batch like example_batch, each backward adding
+    into the gradients in place, then one clipping and update; outputs "losses" (the k losses)
+    and "loss" (their sum, added in order).
 
     max_grad_norm: clip the gradients to this total norm before the update, with the arithmetic of
     ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type)`` (its total norm, then every
@@ -345,6 +351,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     itself uses multi-tensor kernels); off, the update is torch.optim's single-tensor
     implementation op for op, bitwise equal to eager (the CPU default).
     """
+    steps = check_steps(accumulation_steps)
     _refuse_checkpointing(model)
     params = dict(model.named_parameters())
     if device is None:
@@ -386,26 +393,39 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     fake_train = [_fake_like(fake_mode, p, device, True) for p in trainable.values()]
     fake_frozen = [_fake_like(fake_mode, p, device, False) for p in frozen.values()]
     fake_buffers = [_fake_like(fake_mode, b, device, False) for b in buffers.values()]
-    fake_leaves = [_fake_like(fake_mode, leaves[j], device, False) for j in batch_tensors]
+    fake_leaves = [_fake_like(fake_mode, leaves[j], device, False) for _ in range(steps) for j in batch_tensors]
     modules = _ModuleTracker(model)
     marks = {}
 
     def step(train, froz, bufs, batch_fakes):
         mapping = dict(zip(trainable, train)) | dict(zip(frozen, froz)) | dict(zip(buffers, bufs))
-        slot = dict(zip(batch_tensors, batch_fakes, strict=True))
-        batch = pytree.tree_unflatten([slot.get(j, x) for j, x in enumerate(leaves)], batch_spec)
         guard = _GradientGuard({id(t): n for n, t in [*zip(trainable, train), *zip(frozen, froz)]})
-        with _reparametrize_module(model, mapping, tie_weights=True), modules, guard:
-            loss = loss_fn(model, batch)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-            raise UnsupportedFeature(f"loss_fn must return a scalar floating-point tensor, got "
-                                     f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
-        marks["forward_end"] = _ModuleTracker.node_count()
-        grads = torch.autograd.grad(loss, train, allow_unused=True) if train else ()
+        marks["forward"] = []
+
+        def micro_loss(fakes):
+            slot = dict(zip(batch_tensors, fakes, strict=True))
+            batch = pytree.tree_unflatten([slot.get(j, x) for j, x in enumerate(leaves)], batch_spec)
+            start = _ModuleTracker.node_count()
+            with _reparametrize_module(model, mapping, tie_weights=True), modules, guard:
+                loss = loss_fn(model, batch)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+                raise UnsupportedFeature(f"loss_fn must return a scalar floating-point tensor, got "
+                                         f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+            marks["forward"].append((start, _ModuleTracker.node_count()))
+            return loss
+
+        per_micro = []  # accumulating: the k losses, an output beside their sum
+        if steps == 1:
+            loss = micro_loss(batch_fakes)
+            grads = torch.autograd.grad(loss, train, allow_unused=True) if train else ()
+        else:
+            losses, grads = accumulate(micro_loss, train, split(batch_fakes, steps))
+            loss, stacked = loss_outputs(losses)
+            per_micro = [stacked]
         if max_grad_norm is not None:
-            grads = _clipped(grads, max_grad_norm, norm_type)
+            grads = _clipped(grads, max_grad_norm, norm_type)  # the accumulated gradients, as eager clips
         marks["has_grad"] = [g is not None for g in grads]
-        return [loss] + [g for g in grads if g is not None]
+        return [loss, *per_micro] + [g for g in grads if g is not None]
 
     try:
         gm = make_fx(step, tracing_mode="fake")(fake_train, fake_frozen, fake_buffers, fake_leaves)
@@ -422,7 +442,8 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     tg.batch_spec = flatten_batch_structure(example_batch)[1]
     tg.batch_constants = {i: leaves[j] for i, j in enumerate(order) if not isinstance(leaves[j], torch.Tensor)}
     leaf_names = batch_leaf_names(tg.batch_spec)
-    reader = _GraphReader(tg, modules, marks["forward_end"])
+    tg.accumulation_steps = steps
+    reader = _GraphReader(tg, modules, marks["forward"])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     groups = [("param", trainable, ValueKind.PARAMETER), ("param", frozen, ValueKind.FROZEN),
               ("buffer", buffers, ValueKind.FROZEN)]
@@ -430,9 +451,10 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     for prefix, tensors, kind in groups:
         for name, tensor in tensors.items():
             inputs.append((f"{prefix}:{name}", kind, tensor))
-    for i, j in enumerate(order):
-        if isinstance(leaves[j], torch.Tensor):
-            inputs.append((f"batch:{leaf_names[i]}", ValueKind.BATCH, leaves[j]))
+    for micro in range(steps):
+        for i, j in enumerate(order):
+            if isinstance(leaves[j], torch.Tensor):
+                inputs.append((f"batch:{micro_prefix(micro, steps)}{leaf_names[i]}", ValueKind.BATCH, leaves[j]))
     if len(inputs) != len(placeholders):
         raise RuntimeError(f"traced {len(placeholders)} inputs, expected {len(inputs)}")
     input_vid = {}
@@ -468,6 +490,9 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     reader.bind_module_state()
     loss_node, *grad_nodes = out_node.args[0]
     tg.outputs["loss"] = reader.dense_value(reader.template(loss_node))
+    if steps > 1:
+        losses_node, *grad_nodes = grad_nodes
+        tg.outputs["losses"] = reader.dense_value(reader.template(losses_node))
     grad_iter = iter(grad_nodes)
     grads = {name: (reader.template(next(grad_iter)) if has else None)
              for name, has in zip(trainable, marks["has_grad"])}

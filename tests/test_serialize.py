@@ -199,8 +199,8 @@ def test_extra_pickle_member_refused(tmp_path, no_unpickling):
 
 @pytest.mark.parametrize("change, error", [
     (lambda doc: doc.update(format="pickle"), "format 'pickle', expected 'turnip.memgraph'"),
-    (lambda doc: doc.update(version=1), "version 1, this turnip reads 3"),
-    (lambda doc: doc.update(version=2), "version 2, this turnip reads 3"),
+    (lambda doc: doc.update(version=1), "version 1, this turnip reads 4"),
+    (lambda doc: doc.update(version=3), "version 3, this turnip reads 4"),
     (lambda doc: doc["memgraph"].update(t="Popen"), "unknown type 'Popen'"),
     (lambda doc: doc["memgraph"]["v"]["taskgraph"]["v"]["vertices"][0]["v"].update(op={"t": "pickle", "v": "x"}),
      "unknown type 'pickle'"),
