@@ -27,6 +27,7 @@ from turnip.engine.loop import Record, Scheduler, drive
 from turnip.engine.policy import Policy, make_policy
 from turnip.engine.resources import StreamPool, WorkspacePool, stream_counts
 from turnip.ir.memgraph import MemGraph, Stream
+from turnip.ir.optimizer import mark_stepped
 from turnip.ir.taskgraph import batch_leaf_names, flatten_batch_structure
 
 log = logging.getLogger(__name__)
@@ -200,6 +201,7 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
             # the step counter moves only when the step completed, so a failed step can be rerun
             runtime.step = step
             ok = True
+            mark_stepped(mg.optimizer)  # the update ran: LR schedulers stepped next must not warn
         except EngineError as exc:
             exc.add_note(f"step {step}, ordering {policy!r}")  # a failing random order can be replayed by seed
             updated = runtime.home_writers.intersection(scheduler.launch_order)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from turnip.ir import serialize
-from turnip.ir.optimizer import OptimizerSpec
+from turnip.ir.optimizer import CompiledOptimizer, OptimizerSpec
 from turnip.ir.plan import Plan, Recompute
 from turnip.ir.budget import budget_fields
 from turnip.ir.taskgraph import ScalarRef, TaskGraph, TensorRef, Value, ValueKind, Vertex
@@ -109,8 +109,9 @@ class MemGraph:
 
     # Not a field (ClassVar): engine.run sets it on the instance; None until the first run.
     runtime: ClassVar[LiveState | None] = None
-    # Not a field either: the user's torch optimizer (set by memgraph.compile), whose hyperparameters
-    # engine.run reads before every step, so LR schedulers act as in eager; never saved.
+    # Not a field either: a CompiledOptimizer (ir/optimizer.py; set by memgraph.compile around the
+    # user's torch optimizer, and by load), whose hyperparameters engine.run reads before every
+    # step, so LR schedulers act as in eager, and whose state_dict() exports the optimizer states.
     optimizer: ClassVar[Any] = None
 
     def __repr__(self) -> str:
@@ -202,11 +203,18 @@ FILE_TYPES = (MemGraph, MVertex, Place, Kind, Stream, Edge, Plan, Recompute, Tas
 
 def load(path: str | Path) -> MemGraph:
     """Read a MemGraph written by `MemGraph.save`; it runs like the saved one (from its saved
-    weights and step), with no runtime until the next engine.run. Loading parses JSON and
-    safetensors only, so a file runs no code, whoever wrote it. Raises ValueError naming the path
-    for a file of another format or version (pickled MemGraphs of version 1 included) or a
-    corrupted one."""
+    weights and step), with no runtime until the next engine.run. When it has an optimizer,
+    ``mg.optimizer`` is a CompiledOptimizer over the saved hyperparameters (those of the last step
+    run): an LR scheduler stepped on it drives the next runs, and its ``state_dict()`` exports the
+    optimizer states to eager. Loading parses JSON and safetensors only, so a file runs no code,
+    whoever wrote it. Raises ValueError naming the path for a file of another format or version
+    (pickled MemGraphs of version 1 included) or a corrupted one."""
     mg = serialize.load(path, FILE_TYPES)
     if not isinstance(mg, MemGraph):
         raise ValueError(f"{path} holds a {type(mg).__name__}, not a MemGraph")  # noqa: TRY004 - a wrong file
+    if mg.taskgraph.optimizer is not None:
+        try:
+            mg.optimizer = CompiledOptimizer(mg)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a spec no compile wrote
+            raise ValueError(f"{path}: corrupted MemGraph file (its optimizer: {exc})") from exc
     return mg

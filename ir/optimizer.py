@@ -8,7 +8,9 @@ CompiledOptimizer is ``mg.optimizer``: a torch.optim.Optimizer over the
 MemGraph, whose ``param_groups`` are the torch optimizer's (an LR scheduler
 acts on the step) and whose ``state_dict()`` is in torch's format with the
 states the step keeps in its homes, so training can move back to eager with
-``opt.load_state_dict(mg.optimizer.state_dict())``.
+``opt.load_state_dict(mg.optimizer.state_dict())``. ``memgraph.compile`` sets it
+over the user's optimizer, ``memgraph.load`` over the saved hyperparameters.
+``mark_stepped`` tells LR schedulers that engine.run applied an update.
 """
 
 from __future__ import annotations
@@ -104,6 +106,38 @@ def state_value_name(param: str, key: str) -> str:
     return f"opt:{param}.{key}"
 
 
+# the torch.optim class of each kind, whose defaults fill a loaded step's param groups
+TORCH_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def torch_group_defaults(kind: str) -> dict:
+    """The options torch.optim's class for `kind` gives a param group by default ("foreach",
+    "maximize", "fused", ...; "params" left out), read from a throwaway instance so they are exactly
+    this torch's."""
+    cls = TORCH_CLASSES.get(kind)
+    if cls is None:
+        return {}
+    group = cls([torch.zeros(1, requires_grad=True)]).param_groups[0]
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def mark_stepped(optimizer: Any) -> None:
+    """Record that an update ran, as ``optimizer.step()`` does for LR schedulers.
+
+    torch.optim.lr_scheduler wraps ``optimizer.step`` to set ``optimizer._opt_called`` and warns, at
+    the scheduler's first step(), "Detected call of `lr_scheduler.step()` before
+    `optimizer.step()`" when it is unset. engine.run applies the update without calling step(), so
+    after each completed step it marks ``mg.optimizer`` (a CompiledOptimizer, or a torch optimizer
+    set in its place) and the user's torch optimizer a CompiledOptimizer follows: a scheduler on
+    either then sees the update it follows, as in eager."""
+    if optimizer is None:
+        return
+    optimizer._opt_called = True
+    wrapped = getattr(optimizer, "_torch", None) if isinstance(optimizer, CompiledOptimizer) else None
+    if wrapped is not None:
+        wrapped._opt_called = True
+
+
 def _scalar_dtype() -> torch.dtype:
     """The dtype torch.optim gives the "step" tensors it creates (torch.optim.optimizer._get_scalar_dtype)."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -114,7 +148,9 @@ class CompiledOptimizer(torch.optim.Optimizer):
 
     param_groups: the torch optimizer's given to compile (the very dicts: an LR scheduler stepped on
     either changes what the next engine.run uses), or for a MemGraph without one (loaded from a file),
-    groups made from the saved hyperparameters with parameter names for parameters.
+    groups made from the saved hyperparameters (those of the last step run), torch's defaults for
+    the kind's other options, and parameter names for parameters; a scheduler stepped on this
+    optimizer changes what the next engine.run uses there too.
     state / state_dict(): the step's current optimizer states (after the last engine.run), read from
     the MemGraph's homes, keyed as torch.optim keys them, so
     ``opt.load_state_dict(mg.optimizer.state_dict())`` lets an eager optimizer over the same
@@ -132,9 +168,17 @@ class CompiledOptimizer(torch.optim.Optimizer):
         self._torch = optimizer
         if optimizer is not None and [len(g["params"]) for g in optimizer.param_groups] != [len(n) for n in spec.params]:
             raise ValueError("the optimizer's param groups are not the ones the MemGraph was compiled with")
-        self._groups = None if optimizer is not None else [
-            {**hp, "params": list(names)} for hp, names in zip(spec.groups, spec.params, strict=True)]
-        self.defaults = dict(optimizer.defaults) if optimizer is not None else {}
+        if optimizer is not None:
+            self._groups = None
+            self.defaults = dict(optimizer.defaults)
+        else:
+            if spec.params and len(spec.params) != len(spec.groups):
+                raise ValueError(f"the MemGraph's optimizer has {len(spec.groups)} param groups but parameter "
+                                 f"names for {len(spec.params)}")
+            defaults = torch_group_defaults(spec.kind)
+            names = spec.params or [[] for _ in spec.groups]  # a spec made by hand may name no parameters
+            self._groups = [{**defaults, **hp, "params": list(group)} for hp, group in zip(spec.groups, names)]
+            self.defaults = defaults
         for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
                       "load_state_dict_post"):
             setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())

@@ -10,6 +10,8 @@ A ``.mg`` file is a zip archive of exactly two members:
 Loading parses JSON and safetensors and builds only the types named in
 `Codec`'s registry (the contract dataclasses and enums) and a fixed list of
 torch constants, so a file runs no code of its author: no pickle anywhere.
+A file of another version than `VERSION` (4) is refused, naming its version;
+version 1 files were pickles, refused without being opened as one.
 
 Tagged JSON: JSON scalars (str, int, bool, null, finite float) and arrays
 (Python lists) stand for themselves; everything else is an object
@@ -41,8 +43,9 @@ from safetensors.torch import save as save_tensors
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 FORMAT = "turnip.memgraph"
-# 1 was a pickle, which loading refuses: it could run code; 3 added MemGraph.segments,
-# TaskGraph.batch_constants, OptimizerSpec.params and Plan.release_after; 4 TaskGraph.accumulation_steps
+# 1 was a pickle, which loading refuses: it could run code; 2 the first zip of JSON and safetensors;
+# 3 added MemGraph.segments, TaskGraph.batch_constants, OptimizerSpec.params and Plan.release_after;
+# 4 added TaskGraph.accumulation_steps. A file is read only by the turnip of its version.
 VERSION = 4
 GRAPH_MEMBER = "graph.json"
 STATE_MEMBER = "state.safetensors"
@@ -285,7 +288,8 @@ class Codec:
 
 
 def save(obj: Any, path: str | Path, types: Iterable[type]) -> None:
-    """Write obj to path as a MemGraph file; raises Unencodable (a TypeError) before writing anything."""
+    """Write obj to path as a MemGraph file of format version `VERSION`; raises Unencodable (a
+    TypeError) before writing anything."""
     codec = Codec(types)
     try:
         doc = {"format": FORMAT, "version": VERSION, "memgraph": codec.encode(obj)}
@@ -303,7 +307,8 @@ def save(obj: Any, path: str | Path, types: Iterable[type]) -> None:
 
 
 def load(path: str | Path, types: Iterable[type]) -> Any:
-    """Read a MemGraph file written by `save`; ValueError naming path and the problem otherwise."""
+    """Read a MemGraph file of format version `VERSION` written by `save`; ValueError naming path
+    and the problem otherwise (another format, another version, a damaged or corrupted file)."""
     path = Path(path)
     if not zipfile.is_zipfile(path):
         raise ValueError(f"{path} is not a turnip MemGraph file (not a zip archive; files saved before format "

@@ -121,7 +121,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             else:
                 mgs = [build(tg, plan, alignment=alignment) for plan in candidates]
                 if device.type == "cuda":  # the compact walk of each plan too: the simulator picks
-                    mgs += compact_builds(tg, candidates, alignment)
+                    mgs += compact_builds(tg, [mg.plan for mg in mgs if "seconds_pack" not in mg.stats], alignment)
                 mg = mgs[0] if len(mgs) == 1 else fastest_simulated(mgs, costs, device.type)
             # engine.run follows its hyperparameters (LR schedulers); its state exports to eager
             mg.optimizer = CompiledOptimizer(mg, optimizer) if optimizer is not None else None

@@ -105,3 +105,50 @@ def test_state_is_keyed_by_the_optimizers_parameters_and_the_step_only_runs_in_t
         compiled.step()
     with pytest.raises(NotImplementedError, match="compile with it"):
         compiled.load_state_dict(eager_opt.state_dict())
+
+
+@pytest.mark.filterwarnings("error")  # no scheduler warning either: engine.run marks the loaded optimizer
+def test_a_loaded_memgraph_exports_its_optimizer_and_follows_a_scheduler(tmp_path):
+    """memgraph.load gives mg.optimizer: the same state_dict() as the saved step's, and param groups
+    an LR scheduler drives, bitwise like eager continuing with the same schedule."""
+    torch.manual_seed(0)
+    model = MLP(8, 32, 4, depth=4)
+    batches = [(torch.randn(32, 8), torch.randn(32, 4)) for _ in range(4)]
+    make_opt = OPTIMIZERS["adamw"][0]
+    factor = lambda step: 0.1 / (1 + step)  # a schedule far from the saved lr
+
+    eager_model = copy.deepcopy(model)
+    eager_opt = make_opt(list(eager_model.parameters()))
+    want = [eager_step(eager_model, eager_opt, b) for b in batches[:2]]
+    eager_sched = torch.optim.lr_scheduler.LambdaLR(eager_opt, factor)
+    for b in batches[2:]:
+        want.append(eager_step(eager_model, eager_opt, b))
+        eager_sched.step()
+
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=make_opt(list(model.parameters())), device="cpu",
+                          verbose=False)
+    got = [engine.run(mg, b)["loss"] for b in batches[:2]]
+    mg.save(tmp_path / "step.mg")
+    loaded = memgraph.load(tmp_path / "step.mg")
+    assert isinstance(loaded.optimizer, CompiledOptimizer) and loaded.optimizer.steps_taken() == 2
+    exported = loaded.optimizer.state_dict()
+    assert_same_optimizer_state(exported, mg.optimizer.state_dict())  # param groups included
+
+    # the export goes back to eager: a fresh torch optimizer loads it and steps like the saved one's
+    resumed = copy.deepcopy(model)
+    resumed.load_state_dict(loaded.state_dict())
+    resumed_opt = make_opt(list(resumed.parameters()))
+    resumed_opt.load_state_dict(exported)
+    assert_same_optimizer_state(resumed_opt.state_dict(), exported)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(loaded.optimizer, factor)
+    lrs = []
+    for b in batches[2:]:
+        got.append(engine.run(loaded, b)["loss"])
+        lrs.append(loaded.taskgraph.optimizer.groups[0]["lr"])
+        sched.step()
+    assert lrs == [1e-2 * factor(0), 1e-2 * factor(1)]  # each run used the scheduler's lr, not the saved 1e-2
+    assert all(torch.equal(a, w) for a, w in zip(got, want, strict=True)), f"{got} != {want}"
+    state = loaded.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in eager_model.state_dict().items())
+    assert loaded.optimizer.state_dict()["param_groups"][0]["lr"] == eager_opt.param_groups[0]["lr"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -73,3 +74,35 @@ def test_a_change_the_traced_update_cannot_follow_is_refused():
         engine.run(mg, batches[1])
     opt.param_groups[0]["weight_decay"] = 0.05  # non-zero to non-zero is a scalar: followed
     engine.run(mg, batches[1])
+
+
+SCHEDULER_WARNING = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("on", ["torch optimizer", "mg.optimizer"])
+def test_a_scheduler_stepped_after_each_run_does_not_warn(on):
+    """engine.run applies the update without calling optimizer.step(): it marks the optimizers as
+    step() would, so torch's check ("lr_scheduler.step() before optimizer.step()") stays silent,
+    for a scheduler on the user's optimizer or on mg.optimizer, made before or after compile."""
+    model, batches = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    early = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)) if on == "torch optimizer" else None
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=opt, device="cpu", verbose=False)
+    sched = early or torch.optim.lr_scheduler.LambdaLR(mg.optimizer, lambda step: 1.0 / (1 + step))
+    lrs = []
+    for b in batches:
+        engine.run(mg, b)
+        sched.step()  # a warning is an error here
+        lrs.append(mg.taskgraph.optimizer.groups[0]["lr"])
+    assert lrs == [1e-2 * (1.0 / (1 + k)) for k in range(STEPS)]  # each run used the lr the scheduler had set
+
+
+def test_without_a_run_the_scheduler_still_warns():
+    """The check above is torch's own: stepping the scheduler before any engine.run warns as in eager."""
+    model, batches = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=opt, device="cpu", verbose=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(mg.optimizer, lambda step: 1.0 / (1 + step))
+    with pytest.warns(UserWarning, match=re.escape(SCHEDULER_WARNING)):
+        sched.step()
