@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install what it lacks, check correctness on CUDA, then measure.
 # Fetch the wheels here first (../shared/tools/device-wheels.sh puts pulp + highspy in .whl/), then
-#   run: bash bench/gpu_session.sh [suite arguments...]      carry: [".whl"]
+#   run: TURNIP_COMMIT=<commit> bash bench/gpu_session.sh [suite arguments...]      carry: [".whl"]
+#   (TURNIP_COMMIT: a snapshot copied to the GPU machine has no git history; results record it)
 # Results (JSON, logs) go to $OUT (or bench/results when $OUT is unset).
 set -euo pipefail
 export PYTHONUNBUFFERED=1

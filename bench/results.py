@@ -21,9 +21,19 @@ def result_path(name: str) -> Path:
 
 
 def _commit() -> str:
+    """$TURNIP_COMMIT when set (a snapshot copied to the GPU machine has no history of its own),
+    else HEAD of the git checkout this package lives in; "unknown" when the package is not the
+    top of a checkout (an exported snapshot inside another repository would report that one's)."""
+    if os.environ.get("TURNIP_COMMIT"):
+        return os.environ["TURNIP_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, cwd=root,
+                             timeout=10).stdout.strip()
+        if not top or Path(top).resolve() != root:
+            return "unknown"
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
+                              cwd=root, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
