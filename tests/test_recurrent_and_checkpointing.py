@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from cases import eager_steps
+
 from turnip import engine, memgraph
 
 STEPS = 3
@@ -50,20 +52,12 @@ def adam(params):
 
 def train_both(model, loss_fn, batches, budget):
     """(compiled losses, eager losses, compiled state, eager state) after STEPS steps."""
-    eager_model = copy.deepcopy(model)
-    opt = adam(eager_model.parameters())
-    want = []
-    for b in batches:
-        opt.zero_grad()
-        loss = loss_fn(eager_model, b)
-        loss.backward()
-        opt.step()
-        want.append(loss.detach())
+    want, eager_state = eager_steps(model, loss_fn, batches, adam)
     mg = memgraph.compile(model, loss_fn, batches[0], optimizer=adam(model.parameters()), budget=budget, device="cpu")
     assert memgraph.verify(mg) == []
     got = [engine.run(mg, b, ordering="deterministic" if k % 2 else "nondeterministic")["loss"]
            for k, b in enumerate(batches)]
-    return got, want, mg.state_dict(), eager_model.state_dict()
+    return got, want, mg.state_dict(), eager_state
 
 
 def sequences(seed: int = 0):
