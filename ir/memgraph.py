@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from turnip.ir import serialize
+from turnip.ir.budget import budget_fields
 from turnip.ir.optimizer import CompiledOptimizer, OptimizerSpec
 from turnip.ir.plan import Plan, Recompute
-from turnip.ir.budget import budget_fields
 from turnip.ir.taskgraph import ScalarRef, TaskGraph, TensorRef, Value, ValueKind, Vertex
 
 FORMAT_VERSION = serialize.VERSION

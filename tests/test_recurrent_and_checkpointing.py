@@ -8,10 +8,9 @@ import copy
 
 import pytest
 import torch
+from cases import eager_steps
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from cases import eager_steps
 
 from turnip import engine, memgraph
 
