@@ -11,7 +11,7 @@ from turnip.bench.models.mlp import MLP
 
 from turnip import engine, memgraph
 
-STEPS = 4
+STEPS = 5
 
 
 def make(seed: int = 0):
@@ -28,6 +28,10 @@ def loss_fn(m, b):
 SCHEDULES = {
     "adamw_cosine": (lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
                      lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS)),
+    "adamw_cosine_warmup": (lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+                            lambda o: torch.optim.lr_scheduler.SequentialLR(o, [
+                                torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=2),
+                                torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS - 2)], milestones=[2])),
     "sgd_step": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
                  lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)),
     "adam_onecycle": (lambda p: torch.optim.Adam(p, lr=1e-2),  # cycles betas[0] as well as lr
@@ -35,7 +39,7 @@ SCHEDULES = {
 }
 
 
-@pytest.mark.parametrize("budget", [1.0, 0.5])
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.25])
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_scheduler_steps_match_eager_bitwise(name, budget):
     make_opt, make_sched = SCHEDULES[name]
