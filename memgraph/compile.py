@@ -16,7 +16,7 @@ from turnip.ir.plan import Plan
 from turnip.memgraph.build import build
 from turnip.memgraph.progress import Phases, stderr_is_terminal
 from turnip.memgraph.report import compile_report
-from turnip.memgraph.trace import trace
+from turnip.memgraph.trace import target_device, trace
 from turnip.planners.costs import default_costs
 from turnip.planners.measure import device_name
 
@@ -83,7 +83,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     check_budget(budget)  # a budget that cannot be read fails before tracing, not after
     if cpu_budget is not None:
         check_budget(cpu_budget, what="cpu_budget")
-    device = torch.device(device or default_device())
+    device = target_device(device or default_device())
     alignment = alignment or (256 if device.type == "cuda" else 64)
     started = time.perf_counter()
     with Phases(list(PHASES), enabled=verbose) as progress:

@@ -331,6 +331,24 @@ class _GraphReader:
         return vid
 
 
+BACKENDS = ("cpu", "cuda")  # the engine's backends (engine/run.py BACKENDS)
+
+
+def target_device(device) -> torch.device:
+    """``device`` as a torch.device the engine has a backend for; a clear error otherwise (tracing
+    onto an unknown or unsupported device type can abort the interpreter inside torch)."""
+    available = "'cpu'" + (", 'cuda'" if torch.cuda.is_available() else "")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise UnsupportedFeature(f"device {device!r} is not a device torch knows ({err}); turnip runs on "
+                                 f"'cpu' or 'cuda' (available here: {available})") from None
+    if dev.type not in BACKENDS:
+        raise UnsupportedFeature(f"device {str(dev)!r}: turnip has engine backends for 'cpu' and 'cuda' only "
+                                 f"(available here: {available})")
+    return dev
+
+
 def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
           device: str | torch.device | None = None, fused_optimizer: bool | None = None,
           max_grad_norm: float | None = None, norm_type: float = 2.0, accumulation_steps: int = 1) -> TaskGraph:
@@ -356,7 +374,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     params = dict(model.named_parameters())
     if device is None:
         device = next(iter(params.values())).device if params else torch.device("cpu")
-    device = torch.device(device)
+    device = target_device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         # tracing onto a CUDA device that does not exist aborts the interpreter inside torch: say so first
         raise UnsupportedFeature(f"device {str(device)!r} was asked for, but this torch ({torch.__version__}) "

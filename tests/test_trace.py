@@ -203,3 +203,14 @@ def test_optimizer_over_another_models_parameters_is_refused():
     with pytest.raises(UnsupportedFeature, match=r"param group 0 holds a tensor of shape \(8,\) \(parameter 1"):
         memgraph.trace(model, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), batch,
                        optimizer=torch.optim.SGD(params, lr=0.1))
+
+
+@pytest.mark.parametrize("device, pattern", [
+    ("mps", "engine backends for 'cpu' and 'cuda' only"),  # torch aborts the interpreter on a CPU build
+    ("xla", "engine backends for 'cpu' and 'cuda' only"),
+    ("bogus", "not a device torch knows"),
+])
+def test_unsupported_devices_are_clear_errors_before_tracing(device, pattern):
+    model = nn.Linear(4, 4)
+    with pytest.raises(UnsupportedFeature, match=pattern):
+        memgraph.compile(model, _mse, torch.randn(2, 4), device=device, verbose=False)
