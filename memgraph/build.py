@@ -9,6 +9,7 @@ is unbounded; with a CPU budget, bisection over build attempts above it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -88,17 +89,6 @@ def _planned_offload(graph: TaskGraph, plan: Plan) -> int:
     return homes + sum(graph.values[v].nbytes for v in plan.offload if 0 <= v < len(graph.values))
 
 
-def _fewest_transfers(mg: MemGraph, graph: TaskGraph, order: list[int], plan: Plan, alignment: int) -> MemGraph:
-    try:
-        packed = _attempt(graph, order, plan, alignment, plan.gpu_budget, compact=True)
-    except OutOfMemory:
-        return mg
-    moved, planned = packed.summary()["bytes_offloaded"], _planned_offload(graph, plan)
-    log.info("allocate-ahead build offloads %d bytes beyond the plan's %d; the packed build %d",
-             mg.summary()["bytes_offloaded"] - planned, planned, moved - planned)
-    return packed if moved < mg.summary()["bytes_offloaded"] else mg
-
-
 def _describe(graph: TaskGraph, vertex: int) -> str:
     return "the GPU-resident parameters and states alone" if vertex < 0 else format_task_vertex(graph, vertex)
 
@@ -110,45 +100,90 @@ def build(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, compact: bool 
 
     By default bytes are reserved ahead of execution and never-used bytes are taken first, as far
     as the budget allows (most freedom for the runtime: with an unbounded budget every value gets
-    bytes of its own). ``compact=True`` reuses bytes first and reserves nothing ahead: the arena
-    is then about the smallest this order needs (``arena_bytes`` of a compact build with an
-    unbounded budget is the packed "keep everything" peak).
+    bytes of its own). That walk can fragment the arena and evict what the plan keeps; where it
+    does, the compact walk is tried too and the one moving fewer bytes kept. ``compact=True``
+    reuses bytes first and reserves nothing ahead: the arena is then about the smallest this
+    order needs (``arena_bytes`` of a compact build with an unbounded budget is the packed "keep
+    everything" peak).
 
     ``segment_size``: the longest run of compute vertices launched as one unit (memgraph/segments.py;
     a CUDA graph on CUDA); None unbounded, 1 every vertex alone; "auto" unbounded for a graph traced
     for CUDA, 1 on the CPU (where a launch costs little and single vertices let the runtime, and the
     tests' random orders, choose the most)."""
+    graph, order = _expanded(taskgraph, plan, alignment)
+    mg = _walk(graph, order, plan, alignment, compact, segment_size)
+    planned = _planned_offload(graph, plan)
+    if not compact and mg.summary()["bytes_offloaded"] > planned:
+        packed = _compact_walk(graph, order, plan, alignment, segment_size)
+        if packed is not None:
+            log.info("allocate-ahead build offloads %d bytes beyond the plan's %d; the packed build %d",
+                     mg.summary()["bytes_offloaded"] - planned, planned, packed.summary()["bytes_offloaded"] - planned)
+            if packed.summary()["bytes_offloaded"] < mg.summary()["bytes_offloaded"]:
+                mg = packed
+    return mg
+
+
+def build_walks(taskgraph: TaskGraph, plan: Plan, alignment: int = 256,
+                segment_size: int | str | None = "auto") -> list[MemGraph]:
+    """The plan built by both walks (see build): allocate-ahead, then compact where that builds at
+    the plan's budget, each once, for a caller that compares them (memgraph.compile simulates
+    both). Raises InfeasibleBudget when the allocate-ahead walk cannot build."""
+    graph, order = _expanded(taskgraph, plan, alignment)
+    walks = [_walk(graph, order, plan, alignment, False, segment_size)]
+    packed = _compact_walk(graph, order, plan, alignment, segment_size)
+    return walks + ([packed] if packed is not None else [])
+
+
+def _expanded(taskgraph: TaskGraph, plan: Plan, alignment: int) -> tuple[TaskGraph, list[int]]:
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, not {alignment}")
-    graph, order = plan.expand(taskgraph)
+    return plan.expand(taskgraph)
+
+
+def _compact_walk(graph: TaskGraph, order: list[int], plan: Plan, alignment: int,
+                  segment_size: int | str | None) -> MemGraph | None:
+    """The compact walk at the plan's own budget, or None where it runs out of memory there."""
     started = time.perf_counter()
-    collecting = gc.isenabled()
-    gc.disable()  # the simulation makes millions of small acyclic objects: cycle collection only costs time
     try:
-        mg = _attempt(graph, order, plan, alignment, plan.gpu_budget, compact=compact)
-        if not compact and mg.summary()["bytes_offloaded"] > _planned_offload(graph, plan):
-            # The allocate-ahead walk can fragment the arena and evict what the plan keeps; the
-            # compact walk (reuse first, and packed offline like the keep-everything build when
-            # the plan's lifetimes fit) may need fewer transfers
-            mg = _fewest_transfers(mg, graph, order, plan, alignment)
-    except OutOfMemory as exc:
-        minimum, vertex = _minimum(graph, order, plan, alignment, compact)
-        if minimum <= plan.gpu_budget:
+        with _no_cycle_collection():
+            mg = _attempt(graph, order, plan, alignment, plan.gpu_budget, compact=True)
+    except OutOfMemory:
+        return None
+    return _finished(mg, started, segment_size)
+
+
+@contextlib.contextmanager
+def _no_cycle_collection():
+    """The simulation makes millions of small acyclic objects: cycle collection only costs time."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _walk(graph: TaskGraph, order: list[int], plan: Plan, alignment: int, compact: bool,
+          segment_size: int | str | None) -> MemGraph:
+    started = time.perf_counter()
+    with _no_cycle_collection():
+        try:
+            mg = _attempt(graph, order, plan, alignment, plan.gpu_budget, compact=compact)
+        except OutOfMemory as exc:
+            minimum, vertex = _minimum(graph, order, plan, alignment, compact)
+            if minimum > plan.gpu_budget:
+                need = f"; it runs out of {'pinned CPU storage' if exc.resource == 'cpu' else 'GPU memory'}"
+                raise InfeasibleBudget(
+                    f"GPU budget {plan.gpu_budget} bytes is too small for this step{need}: the smallest budget "
+                    f"that works is {minimum} bytes ({minimum / 2**20:.2f} MiB), needed by "
+                    f"{_describe(graph, vertex)}", minimum=minimum, vertex=vertex) from None
             # Under a CPU bound the builder's choices are not monotone in the budget: a smaller arena
             # that works fits this budget too, so use it.
             log.warning("GPU budget %d runs out of pinned CPU storage; building with %d instead",
                         plan.gpu_budget, minimum)
             mg = _attempt(graph, order, plan, alignment, minimum, compact=compact)
             mg.stats["arena_budget_used"] = minimum
-            return _finished(mg, started, segment_size)
-        need = f"; it runs out of {'pinned CPU storage' if exc.resource == 'cpu' else 'GPU memory'}"
-        raise InfeasibleBudget(
-            f"GPU budget {plan.gpu_budget} bytes is too small for this step{need}: the smallest budget that "
-            f"works is {minimum} bytes ({minimum / 2**20:.2f} MiB), needed by {_describe(graph, vertex)}",
-            minimum=minimum, vertex=vertex) from None
-    finally:
-        if collecting:
-            gc.enable()
     return _finished(mg, started, segment_size)
 
 

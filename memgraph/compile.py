@@ -13,7 +13,7 @@ from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import MemGraph
 from turnip.ir.optimizer import CompiledOptimizer
 from turnip.ir.plan import Plan
-from turnip.memgraph.build import build
+from turnip.memgraph.build import build, build_walks
 from turnip.memgraph.progress import Phases, stderr_is_terminal
 from turnip.memgraph.report import compile_report
 from turnip.memgraph.trace import target_device, trace
@@ -119,9 +119,10 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             if candidates is None:  # everything fits: nothing to plan
                 mg = keep_everything(tg, keep_all, gpu_budget, cpu_bytes, alignment)
             else:
-                mgs = [build(tg, plan, alignment=alignment) for plan in candidates]
-                if device.type == "cuda":  # the compact walk of each plan too: the simulator picks
-                    mgs += compact_builds(tg, [mg.plan for mg in mgs if "seconds_pack" not in mg.stats], alignment)
+                if device.type == "cuda":  # both walks of each plan (memgraph/build.py): the simulator picks
+                    mgs = [mg for plan in candidates for mg in build_walks(tg, plan, alignment=alignment)]
+                else:
+                    mgs = [build(tg, plan, alignment=alignment) for plan in candidates]
                 mg = mgs[0] if len(mgs) == 1 else fastest_simulated(mgs, costs, device.type)
             # engine.run follows its hyperparameters (LR schedulers); its state exports to eager
             mg.optimizer = CompiledOptimizer(mg, optimizer) if optimizer is not None else None
@@ -174,19 +175,6 @@ def record_prediction(mg: MemGraph, costs, device: torch.device) -> None:
         seconds = simulate(mg, costs, backend=device.type).step_time
     mg.stats["predicted_step_s"] = float(seconds)
     mg.stats["costs_measured_on"] = device_name(str(device))
-
-
-def compact_builds(tg, plans: list[Plan], alignment: int) -> list[MemGraph]:
-    """Each plan built by the compact walk (reuse first, packed offline; memgraph/build.py), which
-    for plans near the peak can need fewer transfers than the default allocate-ahead walk; plans
-    it cannot build are skipped."""
-    built = []
-    for plan in plans:
-        try:
-            built.append(build(tg, plan, alignment=alignment, compact=True))
-        except InfeasibleBudget:
-            continue
-    return built
 
 
 def fastest_simulated(candidates: list[MemGraph], costs, backend: str) -> MemGraph:

@@ -9,6 +9,7 @@ import pytest
 from synthetic import chain_of_blocks, random_taskgraph
 from turnip.ir.plan import Plan
 from turnip.memgraph import build, verify
+from turnip.memgraph.build import build_walks
 from turnip.memgraph.packing import Stay, pack, stays
 from turnip.memgraph.schedule import Schedule, aligned
 
@@ -102,3 +103,15 @@ def test_compact_build_of_an_offload_plan_places_reloads_where_packed():
     assert "packed_prefetch_steps" in mg.stats and mg.stats["packed_placements"] > 0
     planned = sum(aligned(tg.values[v].nbytes, 256) for v in offload)
     assert mg.summary()["bytes_offloaded"] <= planned  # nothing evicted beyond the plan
+
+
+def test_build_walks_gives_both_walks_once_and_build_keeps_the_fewer_transfers():
+    tg = chain_of_blocks(8, act_bytes=1 << 16, param_bytes=1 << 12, seed=2)
+    full = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=256, compact=True).arena_bytes
+    plan = Plan(gpu_budget=int(0.7 * full))
+    ahead, packed = build_walks(tg, plan, alignment=256)
+    assert "seconds_pack" not in ahead.stats and "seconds_pack" in packed.stats
+    assert verify(ahead) == [] and verify(packed) == []
+    moved = [mg.summary()["bytes_offloaded"] for mg in (ahead, packed)]
+    chosen = build(tg, plan, alignment=256).summary()["bytes_offloaded"]
+    assert chosen == (min(moved) if moved[0] > 0 else moved[0])
