@@ -18,25 +18,14 @@ runs as ordinary launches from then on.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Mapping
 
 import torch
 from turnip.ir.memgraph import MemGraph
-from turnip.ir.taskgraph import ScalarRef
+from turnip.kernels.capture import captured
+from turnip.kernels.launch import scalar_names
 
 log = logging.getLogger(__name__)
-
-
-def scalar_names(template) -> set[str]:
-    """The per-step scalars a vertex's argument template reads."""
-    if isinstance(template, ScalarRef):
-        return {template.name}
-    if isinstance(template, (list, tuple)):
-        return set().union(*(scalar_names(t) for t in template)) if template else set()
-    if isinstance(template, dict):
-        return scalar_names(list(template.values()))
-    return set()
 
 
 class SegmentGraphs:
@@ -64,27 +53,20 @@ class SegmentGraphs:
         and replay it."""
         baked = tuple(step_scalars[name] for name in self.scalars[unit])
         key = (unit, lane)
-        captured = self.graphs.get(key)
-        if captured is not None and captured[1] == baked:
-            captured[0].replay()
+        stored = self.graphs.get(key)
+        if stored is not None and stored[1] == baked:
+            stored[0].replay()
             return
         runs = self.runs.get(key, 0)
         self.runs[key] = runs + 1
         if runs == 0 or unit in self.uncapturable:
             launch()
             return
-        graph = torch.cuda.CUDAGraph()
         pool = self.pools.get(lane)
         if pool is None:
             pool = self.pools[lane] = torch.cuda.graph_pool_handle()
         try:
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                launch()
-            finally:
-                with warnings.catch_warnings():  # a segment of ops that launch nothing (empty_like) is fine
-                    warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-                    graph.capture_end()
+            graph = captured(launch, pool)
         except Exception as exc:  # noqa: BLE001 - a capture that fails launched nothing: run it plainly
             self.uncapturable.add(unit)
             self.graphs.pop(key, None)

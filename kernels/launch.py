@@ -76,14 +76,15 @@ def run_vertex(vertex: Vertex, resolve: Resolve, outputs: Sequence[torch.Tensor 
     return outs
 
 
-def _has_scalar_refs(template) -> bool:
+def scalar_names(template) -> set[str]:
+    """The per-step scalars (ScalarRef names) an argument template reads."""
     if isinstance(template, ScalarRef):
-        return True
+        return {template.name}
     if isinstance(template, (list, tuple)):
-        return any(_has_scalar_refs(t) for t in template)
+        return set().union(*(scalar_names(t) for t in template))
     if isinstance(template, dict):
-        return any(_has_scalar_refs(t) for t in template.values())
-    return False
+        return scalar_names(list(template.values()))
+    return set()
 
 
 # Functional ops with no out= overload whose result is written straight into the output buffer by
@@ -148,7 +149,7 @@ class PreparedVertex:
             vertex.copy_in or self.skip or self.direct or scalar_result) else None
         if variant is not None:
             self.op, self.out_names = variant
-        self.dynamic = _has_scalar_refs(vertex.args) or _has_scalar_refs(vertex.kwargs)
+        self.dynamic = bool(scalar_names(vertex.args) or scalar_names(vertex.kwargs))
         self._resolve = resolve_own
         self.args = _materialize(vertex.args, resolve_own, {}) if not self.dynamic else None
         self.kwargs = _materialize(vertex.kwargs, resolve_own, {}) if not self.dynamic else None

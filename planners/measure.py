@@ -11,10 +11,10 @@ import logging
 import platform
 import statistics
 import time
-import warnings
 
 import torch
 from turnip.ir.taskgraph import TaskGraph, TensorRef, Vertex
+from turnip.kernels.capture import captured
 from turnip.kernels.launch import PreparedVertex
 from turnip.kernels.views import ref_view
 
@@ -124,17 +124,11 @@ def _time_cuda(once, runs: int, dev: torch.device) -> tuple[float, int]:
 
 
 def _captured(launches, dev: torch.device) -> torch.cuda.CUDAGraph | None:
-    graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream(device=dev)  # capture never runs on the legacy default stream
     stream.wait_stream(torch.cuda.current_stream(dev))
     try:
-        with torch.cuda.stream(stream), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                launches()
-            finally:
-                graph.capture_end()
+        with torch.cuda.stream(stream):
+            graph = captured(launches)
     except Exception as exc:  # noqa: BLE001 - an op that cannot be captured is timed as launched
         log.debug("op not capturable for timing (%s); timing plain launches", exc)
         return None
