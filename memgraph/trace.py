@@ -40,6 +40,7 @@ from turnip.kernels.ops import HIDDEN_MUTATIONS, RUNTIME_SIZED, flatten_returns,
 from turnip.memgraph.accumulate import accumulate, check_steps, loss_outputs, micro_prefix, split
 from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
 from turnip.memgraph.optim import UpdateEmitter, initial_states, spec_from_optimizer
+from turnip.memgraph.reuse import donate_dying_inputs
 
 log = logging.getLogger(__name__)
 
@@ -521,6 +522,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     else:
         _append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid,
                           fused=device.type == "cuda" if fused_optimizer is None else fused_optimizer)
+    donate_dying_inputs(tg)
     tg.validate()
     log.info("traced %d vertices, %d values", len(tg.vertices), len(tg.values))
     return tg

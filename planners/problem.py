@@ -52,6 +52,11 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
             readers[val].append(p)
     step_outputs = set(tg.outputs.values())
     targets = {dst: src for src, dst in tg.bindings.items()}
+    # a value whose last reader writes its result over it (memgraph/reuse.py, in-place ops) frees
+    # its bytes to that result: BuildMemGraph counts them once, so here it ends one step earlier
+    donated = {old for p, vid in enumerate(order) for old, new in tg.vertices[vid].copy_in
+               if tg.values[old].kind in (ValueKind.INTERMEDIATE, ValueKind.BATCH) and size(old) == size(new)
+               and readers[old] and readers[old][-1] == p}
 
     # -- classify values ----------------------------------------------------------------------
     # saved_info: value -> (last use before its gap, first use after it, last use)
@@ -176,7 +181,8 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
     # -- options ---------------------------------------------------------------------------------
     for gi, g in enumerate(groups):
         wp = int(window_of[g.pos])
-        spans = [(saved_info[o][0], saved_info[o][2], size(o)) for o in g.saved]  # (last use before the gap, last use, bytes)
+        # (last use before the gap, last use holding its bytes, bytes)
+        spans = [(saved_info[o][0], saved_info[o][2] - (o in donated), size(o)) for o in g.saved]
         extra = sum(size(o) for c in g.chain for o in tg.vertices[c].outputs if o >= 0) + \
             sum(size(o) for o in tg.vertices[g.vertex].outputs if o >= 0 and o not in g.saved)
         g.options.append(Option(KEEP, -1, [(g.pos, last, b) for _, last, b in spans]))
@@ -188,7 +194,7 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
             # arena after its last use before the gap and is reloaded at the use after it, just
             # like a recomputed one; the transfers themselves cost time in the windows of
             # production and of the use (prefetched one window ahead).
-            ivs = [iv for hold, last, b in spans for iv in _union(g.pos, hold, c, last, b)]
+            ivs = [iv for hold, last, b in spans for iv in _union(g.pos, hold, c, max(c, last), b)]
             if all(_gap_is_largest(g.pos, readers[o], saved_info[o][0], c) for o in g.saved):
                 # one offload vertex per saved value after production, one reload before the use
                 g.options.append(Option(OFFLOAD, c, ivs, h2d=(wr, g.nbytes), d2h=(wp, g.nbytes),
@@ -219,13 +225,13 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
         elif val.kind is ValueKind.CONSTANT:
             add(0, n - 1, size(vid))
         elif val.kind is ValueKind.BATCH:
-            add(0, max(last_use(vid), batch_last.get(vid, -1), 0), size(vid))
+            add(0, max(last_use(vid) - (vid in donated), batch_last.get(vid, -1), 0), size(vid))
             base_h2d[0] += size(vid)
         elif vid in saved_info or (vid in targets and tg.values[targets[vid]].kind in _HOMED):
             continue  # a group's saved output or an updated home value: decided below
         elif val.producer >= 0:
             prod = int(pos[val.producer])
-            end = n - 1 if vid in step_outputs else max(prod, last_use(vid))
+            end = n - 1 if vid in step_outputs else max(prod, last_use(vid) - (vid in donated))
             add(prod, end, size(vid))
 
     items = _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, size, add, max_items,

@@ -1,0 +1,116 @@
+"""Buffer donation (memgraph/reuse.py): an op writes its result over an input that dies there."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from cases import bf16_autocast
+from turnip.bench.models import gpt
+from turnip.ir.plan import Plan
+from turnip.kernels.ops import resolve_op
+from turnip.memgraph.build import build
+from turnip.memgraph.reuse import ALIASABLE, donate_dying_inputs
+from turnip.planners.memory import Decisions, evaluate
+from turnip.planners.problem import build_problem
+
+trace_module = importlib.import_module("turnip.memgraph.trace")
+
+aten = torch.ops.aten
+
+
+def _inputs(op: str, slot: int):
+    """Arguments for op (positional, keyword) with the tensor at `slot` fresh, so it can be overwritten."""
+    g = torch.Generator().manual_seed(len(op) + slot)
+    a, b = (torch.randn(16, 300, generator=g) for _ in range(2))
+    if op in ("aten::_log_softmax", "aten::_softmax"):
+        return [a, 1, False], {}
+    if op == "aten::_log_softmax_backward_data":
+        return [a, aten._log_softmax(b, 1, False), 1, torch.float32], {}
+    if op == "aten::_softmax_backward_data":
+        return [a, aten._softmax(b, 1, False), 1, torch.float32], {}
+    if op in ("aten::gelu", "aten::silu", "aten::relu", "aten::neg"):
+        return [a], ({"approximate": "tanh"} if op == "aten::gelu" else {})
+    if op == "aten::gelu_backward":
+        return [a, b], {"approximate": "tanh"}
+    if op == "aten::threshold_backward":
+        return [a, b, 0.0], {}
+    if op in ("aten::tanh_backward", "aten::sigmoid_backward"):
+        return [a, torch.sigmoid(b)], {}
+    return [a, b], {}  # binary elementwise
+
+
+@pytest.mark.parametrize("op,slot", [(op, s) for op, slots in sorted(ALIASABLE.items()) for s in slots])
+def test_each_aliasable_kernel_gives_its_own_result_over_its_input(op, slot):
+    args, kwargs = _inputs(op, slot)
+    expected = resolve_op(op)(*args, **kwargs)
+    fn = resolve_op(op)
+    overload = fn.overloadpacket
+    out_name = None
+    for name in overload.overloads():
+        cand = getattr(overload, name)
+        outs = [a.name for a in cand._schema.arguments if a.is_out]
+        if len(outs) == 1 and [a.name for a in cand._schema.arguments if not a.is_out] == \
+                [a.name for a in fn._schema.arguments]:
+            out_op, out_name = cand, outs[0]
+            break
+    assert out_name is not None, f"{op} has no out= overload"
+    target = args[slot].clone()
+    args[slot] = target
+    out_op(*args, **kwargs, **{out_name: target})
+    assert torch.equal(target, expected), f"{op} written over argument {slot} differs from its own result"
+
+
+def _trace_tiny_gpt(donate: bool, monkeypatch):
+    if not donate:
+        monkeypatch.setattr(trace_module, "donate_dying_inputs", lambda tg: 0)
+    torch.manual_seed(0)
+    cfg = gpt.GPTConfig(vocab=512, seq=32, d_model=32, n_layers=2, n_heads=2)
+    model = gpt.GPT(cfg)
+    batch = gpt.example_batch(cfg, batch=4, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return trace_module.trace(model, bf16_autocast(gpt.lm_loss), batch, optimizer=opt, device=torch.device("cpu"))
+
+
+def test_the_loss_softmax_and_its_backward_take_the_bytes_of_what_they_read(monkeypatch):
+    tg = _trace_tiny_gpt(True, monkeypatch)
+    rewritten = {v.op for v in tg.vertices if v.copy_in and v.phase != "optimizer"}
+    assert "aten::_log_softmax.out" in rewritten
+    assert "aten::_log_softmax_backward_data.out" in rewritten
+    for v in tg.vertices:
+        if v.op == "aten::_log_softmax.out":
+            (old, new), = v.copy_in
+            readers = [u.id for u in tg.vertices if old in u.inputs()]
+            assert readers[-1] == v.id  # only a dying input is donated
+            assert v.kwargs["out"].value == new
+
+
+def test_donation_lowers_the_unplanned_peak_in_builder_and_planner_alike(monkeypatch):
+    with_donation = _trace_tiny_gpt(True, monkeypatch)
+    without = _trace_tiny_gpt(False, monkeypatch)
+    logits = 4 * 32 * 512 * 4  # the fp32 logits of one batch, the largest donated value
+    arena = {k: build(tg, Plan(gpu_budget=1 << 62, planner="none"), alignment=64, compact=True).arena_bytes
+             for k, tg in (("on", with_donation), ("off", without))}
+    assert arena["off"] - arena["on"] >= 0.9 * logits  # packing moves a few aligned bytes around
+    planned = {}
+    for k, tg in (("on", with_donation), ("off", without)):
+        problem = build_problem(tg, 1 << 40, bw_h2d=1e10, bw_d2h=1e10, alignment=64)
+        planned[k] = evaluate(problem, Decisions.keep_all(problem)).peak
+    assert planned["off"] - planned["on"] >= 0.9 * logits
+
+
+def test_an_input_read_after_the_op_is_not_donated():
+    class SoftmaxTwice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return torch.softmax(h, -1).sum() + h.square().sum()  # h is read after the softmax
+
+    tg = trace_module.trace(SoftmaxTwice(), lambda m, b: m(b), torch.randn(4, 8), device=torch.device("cpu"))
+    softmax = [v for v in tg.vertices if v.op.startswith("aten::_softmax") and v.phase == "forward"]
+    assert softmax and not softmax[0].copy_in
+    assert donate_dying_inputs(tg) == 0  # a second pass finds nothing new either
