@@ -20,10 +20,13 @@ trace_module = importlib.import_module("turnip.memgraph.trace")
 aten = torch.ops.aten
 
 
-def _inputs(op: str, slot: int):
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _inputs(op: str, slot: int, device: str, columns: int):
     """Arguments for op (positional, keyword) with the tensor at `slot` fresh, so it can be overwritten."""
     g = torch.Generator().manual_seed(len(op) + slot)
-    a, b = (torch.randn(16, 300, generator=g) for _ in range(2))
+    a, b = (torch.randn(16, columns, generator=g).to(device) for _ in range(2))
     if op in ("aten::_log_softmax", "aten::_softmax"):
         return [a, 1, False], {}
     if op == "aten::_log_softmax_backward_data":
@@ -41,9 +44,12 @@ def _inputs(op: str, slot: int):
     return [a, b], {}  # binary elementwise
 
 
+# 300 columns: CUDA's one-warp-per-row softmax kernels; 5000: its block-per-row ones
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("columns", [300, 5000])
 @pytest.mark.parametrize("op,slot", [(op, s) for op, slots in sorted(ALIASABLE.items()) for s in slots])
-def test_each_aliasable_kernel_gives_its_own_result_over_its_input(op, slot):
-    args, kwargs = _inputs(op, slot)
+def test_each_aliasable_kernel_gives_its_own_result_over_its_input(op, slot, columns, device):
+    args, kwargs = _inputs(op, slot, device, columns)
     expected = resolve_op(op)(*args, **kwargs)
     fn = resolve_op(op)
     overload = fn.overloadpacket
