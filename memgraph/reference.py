@@ -41,7 +41,10 @@ class ReferenceExecutor:
 
         for vertex in tg.vertices:
             # an in-place op writes every output into its buffer (out= arguments included): give it all of them
-            buffers = [allocate(v) if v >= 0 else None for v in vertex.outputs] if vertex.copy_in else None
+            # and so does an op that reads its own output buffer (memgraph/reuse.py METADATA_ONLY)
+            own = set(vertex.outputs)
+            reads_own = any(ref.value in own for ref in vertex.refs())
+            buffers = [allocate(v) if v >= 0 else None for v in vertex.outputs] if vertex.copy_in or reads_own else None
             outs = run_vertex(vertex, resolve, buffers, ctx.scalars, ctx.rng_state(vertex), self.device, allocate)
             for vid, tensor in zip(vertex.outputs, outs):
                 if vid >= 0:

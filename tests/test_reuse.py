@@ -120,3 +120,29 @@ def test_an_input_read_after_the_op_is_not_donated():
     softmax = [v for v in tg.vertices if v.op.startswith("aten::_softmax") and v.phase == "forward"]
     assert softmax and not softmax[0].copy_in
     assert donate_dying_inputs(tg) == 0  # a second pass finds nothing new either
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", [0, 1, 2])  # none, mean, sum
+@pytest.mark.parametrize("weighted", [False, True])
+def test_nll_loss_backward_never_reads_the_values_of_self(device, reduction, weighted):
+    g = torch.Generator().manual_seed(reduction)
+    lsm = torch.randn(64, 1000, generator=g).log_softmax(1).to(device)
+    target = torch.randint(0, 1000, (64,), generator=g).to(device)
+    target[3] = -100  # ignored
+    weight = torch.rand(1000, generator=g).to(device) if weighted else None
+    grad = torch.randn(64 if reduction == 0 else (), generator=g).to(device)
+    _, total_weight = aten.nll_loss_forward(lsm, target, weight, reduction, -100)
+    expected = aten.nll_loss_backward(grad, lsm, target, weight, reduction, -100, total_weight)
+    own = torch.full_like(lsm, float("nan"))  # what an arena buffer may hold before the op writes it
+    aten.nll_loss_backward.grad_input(grad, own, target, weight, reduction, -100, total_weight, grad_input=own)
+    assert torch.equal(own, expected)
+
+
+def test_nll_loss_backward_reads_its_own_buffer_instead_of_the_log_softmax(monkeypatch):
+    tg = _trace_tiny_gpt(True, monkeypatch)
+    (nll_bwd,) = [v for v in tg.vertices if v.op == "aten::nll_loss_backward"]
+    (nll_fwd,) = [v for v in tg.vertices if v.op == "aten::nll_loss_forward"]
+    assert nll_bwd.args[1].value == nll_bwd.outputs[0]  # self: the op's own buffer
+    lsm = nll_fwd.args[0].value
+    assert lsm not in nll_bwd.inputs()
