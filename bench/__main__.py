@@ -1,9 +1,10 @@
 """turnip's benchmarks, one command each (see bench/README.md for what every column means).
 
-    python -m turnip.bench suite --models gpt350m,gpt1.3b,lora1.3b,llama --budgets 1.0,0.6,0.5,0.25,0.1 --steps 5
+    python -m turnip.bench suite --models gpt1.3b --systems all --budgets 0.6,0.45,0.25 --site torchtune=/tmp/site_tt
     python -m turnip.bench suite --tiny                 # the whole suite on the CPU in < 1 min (CI)
     python -m turnip.bench ablation [--tiny] [--device cuda]
     python -m turnip.bench plots [--results DIR]        # redraw PNGs from saved JSON
+    python -m turnip.bench table [--results DIR]        # the tables again, split runs of a model merged
 
 Results go to bench/results/ (or $TURNIP_RESULTS, or --out).
 """
@@ -17,8 +18,19 @@ from pathlib import Path
 
 import torch
 from turnip.bench.ablation import main as ablation_main
-from turnip.bench.results import result_path
-from turnip.bench.suite import DEFAULT_SYSTEMS, TINY_SYSTEMS, SuiteConfig, format_table, run_suite
+from turnip.bench.results import load_suite_rows, result_path
+from turnip.bench.suite import (
+    DEFAULT_SYSTEMS,
+    ISOLATE,
+    SHORTHANDS,
+    TINY_SYSTEMS,
+    SuiteConfig,
+    annotate,
+    expand_systems,
+    format_same_memory,
+    format_table,
+    run_suite,
+)
 
 
 def _floats(text: str) -> list[float]:
@@ -33,21 +45,42 @@ def _out(args) -> Path:
     return Path(args.out) if args.out else result_path("x").parent
 
 
+def _sites(items: list[str] | None) -> dict[str, list[str]]:
+    """--site SYSTEM=PATH[:PATH...], repeatable: sys.path entries first in that system's process."""
+    sites: dict[str, list[str]] = {}
+    for item in items or []:
+        system, sep, paths = item.partition("=")
+        if not sep or not system or not paths:
+            raise SystemExit(f"--site takes SYSTEM=PATH, got {item!r}")
+        sites.setdefault(system.strip(), []).extend(p for p in paths.split(":") if p)
+    return sites
+
+
 def suite(args) -> int:
     device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    try:
+        systems = expand_systems(_names(args.systems) if args.systems
+                                 else list(TINY_SYSTEMS if args.tiny else DEFAULT_SYSTEMS))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     cfg = SuiteConfig(
         models=_names(args.models or "gpt350m"),
         budgets=_floats(args.budgets or ("1.0,0.5" if args.tiny else "1.0,0.6,0.5,0.25,0.1")),
         steps=args.steps if args.steps is not None else (2 if args.tiny else 5),
-        systems=_names(args.systems) if args.systems else list(TINY_SYSTEMS if args.tiny else DEFAULT_SYSTEMS),
-        tiny=args.tiny, device=device, out=_out(args), time_limit=args.time_limit, system_limit=args.system_limit,
-        warmup=args.warmup, planner=args.planner, tag=args.tag, batch=args.batch, plots=not args.no_plots)
+        systems=systems, tiny=args.tiny, device=device, out=_out(args), time_limit=args.time_limit,
+        system_limit=args.system_limit, peer_limit=args.peer_limit,
+        warmup=args.warmup if args.warmup is not None else (1 if args.tiny else 2), planner=args.planner,
+        tag=args.tag, batch=args.batch, plots=not args.no_plots,
+        isolate=args.isolate or ("none" if args.tiny else "all"), sites=_sites(args.site))
     for b in cfg.budgets:
         if not 0 < b <= 1:
             raise SystemExit(f"budgets are fractions in (0, 1], got {b}")
     logging.getLogger(__name__).info("suite: %s", cfg)
     rows = run_suite(cfg)
     print(format_table(rows))
+    view = format_same_memory(rows)
+    if view:
+        print("\n" + view)
     print(f"\nresults in {cfg.out}")
     return 0
 
@@ -76,31 +109,49 @@ def plots(args) -> int:
     return 0
 
 
+def table(args) -> int:
+    folder = Path(args.results) if args.results else _out(args)
+    for model, rows in sorted(load_suite_rows(folder).items()):
+        annotate(rows)  # merged rows: compare them again
+        print(format_table(rows))
+        view = format_same_memory(rows)
+        print(("\n" + view if view else "") + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m turnip.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["suite", "ablation", "plots"])
+    parser.add_argument("command", choices=["suite", "ablation", "plots", "table"])
     parser.add_argument("--models", help="comma-separated: gpt350m, gpt1.3b, lora1.3b, llama")
     parser.add_argument("--budgets", help="comma-separated fractions of eager's measured peak GPU memory")
     parser.add_argument("--steps", type=int, help="timed steps per system (after --warmup); ablation: repeats")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (allocation, autotuning)")
-    parser.add_argument("--systems", help="comma-separated subset of eager, checkpoint, offload, "
-                        "checkpoint_offload, deepspeed, torchao, torchtune, turnip")
+    parser.add_argument("--warmup", type=int, help="untimed steps first (allocation, autotuning, CUDA graph "
+                        "capture); default 2, --tiny 1")
+    parser.add_argument("--systems", help=f"comma-separated systems ({', '.join(DEFAULT_SYSTEMS)}) and shorthands "
+                        f"({', '.join(SHORTHANDS)}); default all, --tiny {','.join(TINY_SYSTEMS)}")
+    parser.add_argument("--isolate", choices=ISOLATE, help="systems that run in a process of their own: all "
+                        "(default), peers (all but eager and turnip), none (default with --tiny)")
+    parser.add_argument("--site", action="append", metavar="SYSTEM=PATH",
+                        help="sys.path entries first in that system's process, e.g. torchtune=/tmp/site_tt "
+                        "(repeatable; also $TURNIP_PEER_SITE_<system>)")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models, CPU device: the suite in < 1 min")
     parser.add_argument("--device", help="cuda (default when available) or cpu")
     parser.add_argument("--out", help="folder for JSON/PNG (default bench/results or $TURNIP_RESULTS)")
-    parser.add_argument("--results", help="plots: folder to read (default --out)")
+    parser.add_argument("--results", help="plots, table: folder to read (default --out)")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name (split runs of one model)")
     parser.add_argument("--batch", type=int, help="batch size instead of the model's default")
     parser.add_argument("--planner", default="auto", help="memgraph.compile planner: auto, ilp, greedy, none")
     parser.add_argument("--time-limit", type=float, default=540.0, help="seconds for the whole command")
     parser.add_argument("--system-limit", type=float, default=240.0, help="seconds for any one system")
+    parser.add_argument("--peer-limit", type=float, default=150.0,
+                        help="seconds for any one system other than turnip (its process start included)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    return {"suite": suite, "ablation": ablation, "plots": plots}[args.command](args)
+    return {"suite": suite, "ablation": ablation, "plots": plots, "table": table}[args.command](args)
 
 
 if __name__ == "__main__":

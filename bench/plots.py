@@ -1,4 +1,5 @@
-"""PNG figures from the benchmark JSON: step time vs memory budget, one step's timeline per stream, the ablation.
+"""PNG figures from the benchmark JSON: step time vs memory budget, step time vs measured peak memory (the
+Pareto front of every system), one step's timeline per stream, the ablation.
 
     python -m turnip.bench plots [--results DIR]      # redraw every figure from DIR's JSON files
 
@@ -15,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import matplotlib
+from turnip.bench.results import load_suite_rows
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -22,7 +24,13 @@ import matplotlib.pyplot as plt
 log = logging.getLogger(__name__)
 
 COLORS = {"eager": "black", "checkpoint": "tab:blue", "offload": "tab:orange", "checkpoint_offload": "tab:green",
-          "deepspeed": "tab:purple", "torchao": "tab:brown", "torchtune": "tab:pink", "turnip": "tab:red"}
+          "deepspeed_zero2": "tab:purple", "deepspeed_zero2_bf16": "mediumpurple", "deepspeed_zero3": "indigo",
+          "torchao": "tab:brown", "torchao_offload_grads": "peru", "torchtune": "tab:pink", "turnip": "tab:red"}
+MARKERS = {"eager": "s", "checkpoint": "D", "offload": "v", "checkpoint_offload": "^", "deepspeed_zero2": "P",
+           "deepspeed_zero2_bf16": "P", "deepspeed_zero3": "X", "torchao": "p", "torchao_offload_grads": "h",
+           "torchtune": "*"}
+BF16_WEIGHTS = "bf16 weights"  # a row's "math" when it trades precision (peers/common.py)
+GIB = 2**30
 KIND_COLORS = {"compute": "tab:blue", "copy": "tab:cyan", "reload": "tab:green", "input": "tab:olive",
                "offload": "tab:orange", "output": "tab:gray"}
 
@@ -81,6 +89,74 @@ def plot_step_time_vs_budget(rows: list[dict], path: str | Path, title: str = ""
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the failed budgets sit low
     fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (memory, time) points that no other point beats in both, by increasing memory."""
+    front: list[tuple[float, float]] = []
+    for x, y in sorted(points):
+        if not front or y < front[-1][1]:
+            front.append((x, y))
+    return front
+
+
+def plot_pareto(rows: list[dict], path: str | Path, title: str = "") -> Path:
+    """Step time against measured peak GPU memory for every system of a model: a user's choice.
+
+    Each peer is one point (hollow where it trades precision: bf16 weights); turnip's budgets are points
+    joined by a line; the dotted staircase is the Pareto front of all of them (the fastest step at each
+    memory). Systems without a point (OOM, error, timeout, not installed, no measured peak) are listed
+    under the plot.
+    """
+    fig, ax = plt.subplots(figsize=(10, 5.6))
+    points, missing = [], []
+    for row in rows:
+        system = row.get("system", "?")
+        if system == "turnip":
+            continue
+        if not _ok(row) or not row.get("peak_allocated"):
+            missing.append(f"{system} ({row.get('status') if not _ok(row) else 'no measured peak'})")
+            continue
+        x, y = row["peak_allocated"] / GIB, row["step_s_median"] * 1e3
+        color = COLORS.get(system, "tab:gray")
+        bf16 = row.get("math") == BF16_WEIGHTS
+        ax.scatter([x], [y], marker=MARKERS.get(system, "o"), s=70, edgecolors=color, linewidths=1.5,
+                   facecolors="none" if bf16 else color, label=system + (" (bf16 weights)" if bf16 else ""), zorder=3)
+        ax.annotate(system, (x, y), xytext=(5, 4), textcoords="offset points", fontsize=7, color=color)
+        points.append((x, y))
+    turnip = sorted((r for r in rows if r.get("system") == "turnip"), key=lambda r: r.get("budget") or 0)
+    line = sorted((r["peak_allocated"] / GIB, r["step_s_median"] * 1e3, r.get("budget")) for r in turnip
+                  if _ok(r) and r.get("peak_allocated"))
+    missing += [f"turnip at {r.get('budget')} ({r.get('status') if not _ok(r) else 'no measured peak'})"
+                for r in turnip if not (_ok(r) and r.get("peak_allocated"))]
+    if line:
+        ax.plot([p[0] for p in line], [p[1] for p in line], "o-", color=COLORS["turnip"], lw=2, zorder=4,
+                label="turnip (one point per budget)")
+        for x, y, budget in line:
+            ax.annotate(f"{budget:g}", (x, y), xytext=(-4, -11), textcoords="offset points", fontsize=7,
+                        color=COLORS["turnip"], ha="right")
+        points += [(x, y) for x, y, _ in line]
+    front = pareto_front(points)
+    if len(front) > 1:
+        ax.plot([p[0] for p in front], [p[1] for p in front], drawstyle="steps-post", ls=":", color="gray",
+                alpha=0.8, zorder=2, label="Pareto front")
+    if not points:
+        ax.text(0.5, 0.5, "no system with a measured peak (a CPU run?)", transform=ax.transAxes, ha="center")
+    ax.set_xlabel("measured peak GPU memory (GiB, torch.cuda.max_memory_allocated)")
+    ax.set_ylabel("step time (ms, median of the timed steps)")
+    ax.set_xlim(left=0, right=1.08 * max([x for x, _ in points], default=1.0))
+    ax.set_ylim(bottom=0, top=1.1 * max([y for _, y in points], default=1.0))
+    ax.set_title(title or "step time vs peak memory")
+    ax.grid(alpha=0.3)
+    if points:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if missing:
+        fig.text(0.01, 0.01, "not drawn: " + ", ".join(missing), fontsize=7, wrap=True, va="bottom")
+    fig.tight_layout(rect=(0, 0.06 if missing else 0, 1, 1))
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -195,23 +271,13 @@ def _quantile(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
-def load_suite_rows(folder: str | Path) -> dict[str, list[dict]]:
-    """Rows of every suite_*.json in ``folder`` by model; a later file's row replaces an earlier one's
-    for the same (system, budget), so results split over several commands merge."""
-    by_model: dict[str, dict] = defaultdict(dict)
-    for file in sorted(Path(folder).glob("suite_*.json"), key=lambda p: p.stat().st_mtime):
-        doc = json.loads(file.read_text())
-        for row in doc.get("rows", []):
-            by_model[row["model"]][(row["system"], row.get("budget"))] = row
-    return {model: list(rows.values()) for model, rows in by_model.items()}
-
-
 def redraw(folder: str | Path) -> list[Path]:
     """Every figure that the JSON in ``folder`` supports."""
     folder = Path(folder)
     out = []
     for model, rows in load_suite_rows(folder).items():
         out.append(plot_step_time_vs_budget(rows, folder / f"{model}_step_time.png", title=model))
+        out.append(plot_pareto(rows, folder / f"{model}_pareto.png", title=model))
     for trace in sorted(folder.glob("trace_*.json")):
         if trace.name.endswith(".sim.json"):
             continue

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -29,11 +31,11 @@ def _commit() -> str:
     root = Path(__file__).resolve().parent.parent
     try:
         top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, cwd=root,
-                             timeout=10).stdout.strip()
+                             timeout=10, check=False).stdout.strip()
         if not top or Path(top).resolve() != root:
             return "unknown"
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=root, timeout=10).stdout.strip() or "unknown"
+                              cwd=root, timeout=10, check=False).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -48,3 +50,14 @@ def run_metadata() -> dict:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(),
     }
+
+
+def load_suite_rows(folder: str | Path) -> dict[str, list[dict]]:
+    """Rows of every suite_*.json in ``folder`` by model; a later file's row replaces an earlier one's
+    for the same (system, budget), so results split over several commands merge."""
+    by_model: dict[str, dict] = defaultdict(dict)
+    for file in sorted(Path(folder).glob("suite_*.json"), key=lambda p: p.stat().st_mtime):
+        doc = json.loads(file.read_text())
+        for row in doc.get("rows", []):
+            by_model[row["model"]][(row["system"], row.get("budget"))] = row
+    return {model: list(rows.values()) for model, rows in by_model.items()}

@@ -4,15 +4,23 @@ Per model: eager first (its measured peak defines what a budget fraction means),
 then the peers (no budget knob: each runs once and reports the memory it used),
 then turnip at each budget, largest first. Every row is written to
 ``suite_<model>[_<tag>].json`` as soon as it exists, so a command killed at its
-time limit still leaves everything it measured. Each system runs under its own
-time limit and the command under a total one; OOMs, infeasible budgets, errors
-and timeouts are rows with a status, never a crash.
+time limit still leaves everything it measured. Each system runs in a process of
+its own (``peers/isolated.py``; ``isolate="none"`` runs them in this one) under its
+own time limit, and the command under a total one: a system that would start with
+too little time left is a ``timeout`` row, and so are OOMs, infeasible budgets,
+errors and crashes rows with a status, never a crash of the suite.
+
+When every row is in, each row gets ``max_loss_diff`` (its largest |loss - eager's
+loss| over the steps) and each turnip row its *same-memory* comparison: the
+fastest other system whose measured peak fits in the memory turnip was given or
+used, and turnip's speed-up over it (``same_memory``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -23,15 +31,23 @@ from pathlib import Path
 import torch
 from turnip.bench.models.llama import Unavailable
 from turnip.bench.models.sizes import make_workload
-from turnip.bench.peers import PEERS, turnip_system
-from turnip.bench.peers.common import NOT_INSTALLED, SKIPPED, PeerResult
+from turnip.bench.peers import CUDA_PEERS, PEERS, TORCH_PEERS
+from turnip.bench.peers.common import EAGER_MATH, NOT_INSTALLED, OK, TIMEOUT, PeerResult, Workload, is_cuda
+from turnip.bench.peers.isolated import WorkloadSpec, resolve, run_isolated, write_snapshot
 from turnip.bench.results import run_metadata
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SYSTEMS = ("eager", "checkpoint", "offload", "checkpoint_offload", "deepspeed", "torchao", "torchtune",
-                   "turnip")
+ALL_SYSTEMS = (*PEERS, "turnip")
+DEFAULT_SYSTEMS = ALL_SYSTEMS
 TINY_SYSTEMS = ("eager", "checkpoint", "offload", "checkpoint_offload", "turnip")
+SHORTHANDS = {  # --systems all / peers / torch / offloading, alone or mixed with names
+    "all": ALL_SYSTEMS,
+    "peers": tuple(PEERS),  # everything but turnip (eager included: the reference)
+    "torch": TORCH_PEERS,
+    "offloading": CUDA_PEERS,  # DeepSpeed, torchao, torchtune
+}
+ISOLATE = ("all", "peers", "none")  # which systems run in a process of their own
 MIN_SYSTEM_S = 10.0  # do not start a system with less than this left of the command's time
 
 
@@ -45,16 +61,40 @@ class SuiteConfig:
     device: str = "cuda"
     out: Path = Path(".")
     time_limit: float = 540.0  # seconds for the whole command (the device allows 600, install and imports included)
-    system_limit: float = 240.0  # seconds for any one system (compile + steps)
-    warmup: int = 1
+    system_limit: float = 240.0  # seconds for any one system (turnip: compile + steps)
+    peer_limit: float = 150.0  # seconds for any one system other than turnip (process start and build included)
+    warmup: int = 2
     planner: str = "auto"
     tag: str = ""
     batch: int | None = None
     plots: bool = True
+    isolate: str = "all"  # "all": every system in a process of its own; "peers": all but eager and turnip; "none"
+    sites: dict[str, list[str]] = field(default_factory=dict)  # system -> sys.path entries first in its process
+
+
+def expand_systems(names: list[str]) -> list[str]:
+    """Names and shorthands (all, peers, torch, offloading) as systems, each once: eager first (its peak
+    defines the budgets, its losses are the reference), turnip last, the others in the order given.
+    ``module:function`` names an importable peer (run in a process of its own)."""
+    out: list[str] = []
+    for name in names:
+        for system in SHORTHANDS.get(name, (name,)):
+            if system not in ALL_SYSTEMS and ":" not in system:
+                raise ValueError(f"unknown system {system!r} (known: {', '.join(ALL_SYSTEMS)}; "
+                                 f"shorthands: {', '.join(SHORTHANDS)})")
+            if system not in out:
+                out.append(system)
+    return sorted(out, key=lambda s: (s != "eager", s == "turnip"))
+
+
+def is_isolated(cfg: SuiteConfig, system: str) -> bool:
+    if cfg.isolate not in ISOLATE:
+        raise ValueError(f"isolate must be one of {ISOLATE}, got {cfg.isolate!r}")
+    return cfg.isolate == "all" or ":" in system or (cfg.isolate == "peers" and system not in ("eager", "turnip"))
 
 
 class ResultFile:
-    """One JSON document per model, rewritten atomically after every row."""
+    """One JSON document per model, rewritten atomically after every row (with the rows' comparisons)."""
 
     def __init__(self, path: Path, header: dict):
         self.path, self.header, self.rows = path, header, []
@@ -64,28 +104,124 @@ class ResultFile:
         self.save()
 
     def save(self) -> None:
+        self.header["same_memory"] = annotate(self.rows)
         doc = {**self.header, "rows": self.rows}
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(doc, indent=1, default=str))
         os.replace(tmp, self.path)
 
 
-def make_row(model: str, result: PeerResult, budget: float | None, eager: PeerResult | None) -> dict:
+def make_row(model: str, result: PeerResult, budget: float | None) -> dict:
     row = {"model": model, "budget": budget, **result.row()}
     for key in ("trace", "sim_trace"):  # temporary paths; the kept traces are named in the file's header
         row.pop(key, None)
-    if eager is not None and eager.peak_allocated and result.peak_allocated:
-        row["peak_fraction_of_eager"] = result.peak_allocated / eager.peak_allocated
-    if eager is not None and eager.losses and result.losses and result.system != "eager":
-        n = min(len(eager.losses), len(result.losses))
-        row["loss_max_abs_diff_vs_eager"] = max(abs(a - b) for a, b in zip(eager.losses[:n], result.losses[:n]))
     return row
+
+
+# -- comparisons between rows ---------------------------------------------------------------------
+
+def _ok(row: dict) -> bool:
+    return row.get("status") == OK and row.get("step_s_median") is not None
+
+
+def max_loss_diff(losses: list[float], reference: list[float]) -> float | None:
+    """The largest |loss - reference loss| over the steps both ran (warmup included); inf where either
+    is not finite; None when they share no step."""
+    n = min(len(losses), len(reference))
+    if n == 0:
+        return None
+    diffs = [abs(a - b) for a, b in zip(losses[:n], reference[:n])]
+    return max(diffs) if all(math.isfinite(d) for d in diffs) else math.inf
+
+
+def same_memory(rows: list[dict]) -> list[dict]:
+    """For every turnip row, the fastest other system (status ok) whose measured peak fits in
+    cap = max(turnip's budget in bytes, turnip's measured peak): what it would have run in the same
+    memory. Also the fastest with eager's math (``eager_math_*``). ``speedup`` = that system's step
+    time / turnip's (> 1: turnip is faster); None where turnip did not run or nothing fits."""
+    out = []
+    for t in rows:
+        if t.get("system") != "turnip":
+            continue
+        sizes = [x for x in (t.get("budget_bytes"), t.get("peak_allocated")) if isinstance(x, (int, float))]
+        cap = max(sizes) if sizes else None
+        fits = [r for r in rows if r.get("model") == t.get("model") and r.get("system") != "turnip" and _ok(r)
+                and isinstance(r.get("peak_allocated"), (int, float)) and cap is not None
+                and r["peak_allocated"] <= cap]
+        entry = {"model": t.get("model"), "budget": t.get("budget"), "status": t.get("status"), "cap_bytes": cap,
+                 "turnip_step_s": t.get("step_s_median") if _ok(t) else None, "turnip_peak": t.get("peak_allocated")}
+        for prefix, pool in (("", fits), ("eager_math_", [r for r in fits if r.get("math") == EAGER_MATH])):
+            best = min(pool, key=lambda r: r["step_s_median"], default=None)
+            entry[prefix + "peer"] = best["system"] if best else None
+            entry[prefix + "peer_step_s"] = best["step_s_median"] if best else None
+            entry[prefix + "peer_peak"] = best["peak_allocated"] if best else None
+            if not prefix:
+                entry["peer_math"] = best.get("math") if best else None
+            entry[prefix + "speedup"] = (best["step_s_median"] / entry["turnip_step_s"]
+                                         if best and entry["turnip_step_s"] else None)
+        out.append(entry)
+    return out
+
+
+def annotate(rows: list[dict]) -> list[dict]:
+    """Add each row's comparison with eager (``peak_fraction_of_eager``, ``max_loss_diff``) and each turnip
+    row's same-memory fields (``same_memory_*``); returns the same-memory view."""
+    eager = {r.get("model"): r for r in rows if r.get("system") == "eager"}
+    for row in rows:
+        ref = eager.get(row.get("model"))
+        if ref is None or row is ref:
+            continue
+        if ref.get("peak_allocated") and row.get("peak_allocated"):
+            row["peak_fraction_of_eager"] = row["peak_allocated"] / ref["peak_allocated"]
+        if ref.get("losses") and row.get("losses"):
+            row["max_loss_diff"] = max_loss_diff(row["losses"], ref["losses"])
+    view = same_memory(rows)
+    turnip_rows = [r for r in rows if r.get("system") == "turnip"]
+    for row, entry in zip(turnip_rows, view):
+        row.update({f"same_memory_{k}": v for k, v in entry.items()
+                    if k not in ("model", "budget", "status", "turnip_step_s", "turnip_peak")})
+    return view
+
+
+# -- running ------------------------------------------------------------------------------------------
+
+class Runner:
+    """Runs one system of one model, in this process or in one of its own, under the command's deadline."""
+
+    def __init__(self, cfg: SuiteConfig, workload: Workload, spec: WorkloadSpec, deadline: float):
+        self.cfg, self.workload, self.spec, self.deadline = cfg, workload, spec, deadline
+        # tiny CPU runs: one intra-op thread (run_suite's reason), in a child process too
+        self.threads = torch.get_num_threads() if cfg.tiny and torch.device(cfg.device).type == "cpu" else None
+
+    def limit(self, system: str) -> float | None:
+        """Seconds ``system`` may take, or None when too little of the command's time is left to start it."""
+        left = self.deadline - time.monotonic()
+        if left < MIN_SYSTEM_S:
+            return None
+        cap = self.cfg.system_limit if system == "turnip" else min(self.cfg.peer_limit, self.cfg.system_limit)
+        return min(cap, left - 5)
+
+    def run(self, system: str, **options) -> PeerResult:
+        cfg = self.cfg
+        limit_s = self.limit(system)
+        if limit_s is None:
+            left = max(0.0, self.deadline - time.monotonic())
+            return PeerResult(system.rpartition(":")[2], status=TIMEOUT,
+                              error=f"not started: {left:.0f}s left of the command's {cfg.time_limit:.0f}s")
+        # the offloading peers only report "skipped" without CUDA: no process needed for that
+        needs_process = is_isolated(cfg, system) and not (system in CUDA_PEERS and not is_cuda(cfg.device))
+        if needs_process:
+            return run_isolated(system, self.spec, cfg.device, cfg.steps, limit_s, warmup=cfg.warmup,
+                                options=options, sites=cfg.sites, threads=self.threads)
+        return resolve(system)(self.workload, cfg.device, cfg.steps, warmup=cfg.warmup, limit_s=limit_s,
+                               deadline=time.monotonic() + 0.8 * limit_s, **options)
 
 
 def run_model(cfg: SuiteConfig, name: str, deadline: float) -> list[dict]:
     label = name + ("-tiny" if cfg.tiny else "")
     stem = label + (f"_{cfg.tag}" if cfg.tag else "")  # split runs of one model keep apart files
     path = cfg.out / f"suite_{stem}.json"
+    systems = expand_systems(cfg.systems)
     header = {"benchmark": "suite", **run_metadata(), "model": label, "device_type": torch.device(cfg.device).type,
               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}}
     file = ResultFile(path, header)
@@ -98,63 +234,58 @@ def run_model(cfg: SuiteConfig, name: str, deadline: float) -> list[dict]:
     header["workload"] = workload.info
     log.info("%s: %s parameters (%s trainable), workload built in %.1fs", label,
              f"{workload.info['parameters']:,}", f"{workload.info['trainable_parameters']:,}", time.monotonic() - t0)
-
-    def limits() -> tuple[float | None, float] | None:
-        left = deadline - time.monotonic()
-        if left < MIN_SYSTEM_S:
-            return None
-        return min(cfg.system_limit, left - 5), time.monotonic() + min(cfg.system_limit, left - 5) * 0.8
-
-    def skipped(system: str, budget=None) -> dict:
-        res = PeerResult(system, status=SKIPPED, error="the command's time limit was reached")
-        return make_row(label, res, budget, None)
-
-    common = {"warmup": cfg.warmup}
-    eager = None
-    for system in [s for s in cfg.systems if s != "turnip"]:
-        if system not in PEERS:
-            raise ValueError(f"unknown system {system!r} (known: {', '.join([*PEERS, 'turnip'])})")
-        lim = limits()
-        if lim is None:
-            file.add(skipped(system))
-            continue
-        log.info("%s: running %s", label, system)
-        result = PEERS[system](workload, cfg.device, cfg.steps, limit_s=lim[0], deadline=lim[1], **common)
-        if system == "eager":
-            eager = result
-        file.add(make_row(label, result, None, eager))
-    if "turnip" in cfg.systems:
-        eager_ok = eager is not None and eager.status == "ok"
-        eager_peak = eager.peak_allocated if eager_ok else None
-        # the fastest eager step: the compute-time estimate of turnip's floor least inflated by noise
-        eager_step = eager.stats()["step_s_min"] if eager_ok else None
-        header["eager_peak_allocated"] = eager_peak
-        traces = Path(tempfile.mkdtemp(prefix="turnip-traces-"))
-        best = None  # smallest budget that ran: its traces are kept
-        for budget in sorted(cfg.budgets, reverse=True):
-            lim = limits()
-            if lim is None:
-                file.add(skipped("turnip", budget))
-                continue
-            log.info("%s: running turnip at budget %s", label, budget)
-            trace = traces / f"{budget}.json"
-            result = turnip_system.run(workload, cfg.device, cfg.steps, budget, eager_peak=eager_peak,
-                                       eager_step_s=eager_step, limit_s=lim[0], deadline=lim[1], trace_path=trace,
-                                       planner=cfg.planner, **common)
-            file.add(make_row(label, result, budget, eager))
-            if result.status == "ok" and (trace.exists() or trace.with_name(f"{budget}.sim.json").exists()):
-                best = trace
-        if best is not None:
-            for suffix in (".json", ".sim.json"):
-                src = best.with_name(best.name.removesuffix(".json") + suffix)
-                if src.exists():
-                    shutil.copy(src, cfg.out / f"trace_{stem}{suffix}")
-            header["trace_budget"] = float(best.name.removesuffix(".json"))
-        shutil.rmtree(traces, ignore_errors=True)
+    scratch = Path(tempfile.mkdtemp(prefix="turnip-suite-"))
+    try:
+        spec = WorkloadSpec(name, tiny=cfg.tiny, batch=cfg.batch)
+        if any(is_isolated(cfg, s) for s in systems):
+            t0 = time.monotonic()
+            try:  # children copy the weights in instead of initializing them again (peers/isolated.py)
+                spec.snapshot = str(write_snapshot(workload, scratch / "snapshot.safetensors"))
+                log.info("%s: weights snapshot written in %.1fs", label, time.monotonic() - t0)
+            except (OSError, RuntimeError, ValueError) as exc:
+                log.warning("%s: no weights snapshot (%r): each process builds the workload", label, exc)
+        runner = Runner(cfg, workload, spec, deadline)
+        run_systems(cfg, runner, systems, label, file, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     file.save()
     if cfg.plots:
         draw(cfg.out, stem, file.rows, header.get("trace_budget"))
     return file.rows
+
+
+def run_systems(cfg: SuiteConfig, runner: Runner, systems: list[str], label: str, file: ResultFile,
+                scratch: Path) -> None:
+    eager = None
+    for system in [s for s in systems if s != "turnip"]:
+        log.info("%s: running %s", label, system)
+        result = runner.run(system)
+        if system == "eager":
+            eager = result
+        file.add(make_row(label, result, None))
+    if "turnip" not in systems:
+        return
+    eager_ok = eager is not None and eager.status == OK
+    eager_peak = eager.peak_allocated if eager_ok else None
+    # the fastest eager step: the compute-time estimate of turnip's floor least inflated by noise
+    eager_step = eager.stats()["step_s_min"] if eager_ok else None
+    file.header["eager_peak_allocated"] = eager_peak
+    best = None  # smallest budget that ran: its traces are kept
+    for budget in sorted(cfg.budgets, reverse=True):
+        log.info("%s: running turnip at budget %s", label, budget)
+        trace = scratch / f"{budget}.json"
+        result = runner.run("turnip", budget=budget, eager_peak=eager_peak, eager_step_s=eager_step,
+                            trace_path=str(trace), planner=cfg.planner)
+        file.add(make_row(label, result, budget))
+        if result.status == OK and (trace.exists() or trace.with_name(f"{budget}.sim.json").exists()):
+            best = trace
+    if best is not None:
+        stem = file.path.stem.removeprefix("suite_")
+        for suffix in (".json", ".sim.json"):
+            src = best.with_name(best.name.removesuffix(".json") + suffix)
+            if src.exists():
+                shutil.copy(src, cfg.out / f"trace_{stem}{suffix}")
+        file.header["trace_budget"] = float(best.name.removesuffix(".json"))
 
 
 def draw(out: Path, label: str, rows: list[dict], trace_budget) -> None:
@@ -165,6 +296,7 @@ def draw(out: Path, label: str, rows: list[dict], trace_budget) -> None:
         return
     try:
         plots.plot_step_time_vs_budget(rows, out / f"{label}_step_time.png", title=label)
+        plots.plot_pareto(rows, out / f"{label}_pareto.png", title=label)
         trace = out / f"trace_{label}.json"
         sim = out / f"trace_{label}.sim.json"
         if trace.exists() or sim.exists():
@@ -194,20 +326,47 @@ def run_suite(cfg: SuiteConfig) -> list[dict]:
     return rows
 
 
+def _num(x, scale=1.0, fmt="{:.1f}") -> str:
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return "-"
+    return fmt.format(x * scale) if math.isfinite(x) else str(x)
+
+
 def format_table(rows: list[dict]) -> str:
     """The final table the CLI prints: one line per (model, system, budget)."""
-
-    def num(x, scale=1.0, fmt="{:.1f}"):
-        return fmt.format(x * scale) if isinstance(x, (int, float)) else "-"
-
-    head = f"{'model':<16} {'system':<19} {'budget':>6} {'step ms':>9} {'spread':>7} {'peak GiB':>9} " \
-           f"{'in MiB':>9} {'out MiB':>9} {'compile s':>9} {'floor ms':>9} {'sim ms':>8}  status"
+    num = _num
+    head = f"{'model':<16} {'system':<21} {'budget':>6} {'step ms':>9} {'spread':>7} {'peak GiB':>9} " \
+           f"{'in MiB':>9} {'out MiB':>9} {'compile s':>9} {'floor ms':>9} {'sim ms':>8} {'math':>5} " \
+           f"{'loss diff':>9}  status"
     lines = [head, "-" * len(head)]
     for r in rows:
+        math_label = {"eager": "eager", "bf16 weights": "bf16"}.get(r.get("math"), "-")
         lines.append(
-            f"{r.get('model', ''):<16} {r.get('system', ''):<19} {num(r.get('budget'), fmt='{:.2f}'):>6} "
+            f"{r.get('model', ''):<16} {r.get('system', ''):<21} {num(r.get('budget'), fmt='{:.2f}'):>6} "
             f"{num(r.get('step_s_median'), 1e3):>9} {num(r.get('step_s_spread'), 100, '{:.0f}%'):>7} "
             f"{num(r.get('peak_allocated'), 2**-30, '{:.2f}'):>9} {num(r.get('bytes_h2d'), 2**-20):>9} "
             f"{num(r.get('bytes_d2h'), 2**-20):>9} {num(r.get('compile_s')):>9} {num(r.get('floor_s'), 1e3):>9} "
-            f"{num(r.get('sim_step_s'), 1e3):>8}  {r.get('status', '')}")
+            f"{num(r.get('sim_step_s'), 1e3):>8} {math_label:>5} {num(r.get('max_loss_diff'), fmt='{:.3g}'):>9}  "
+            f"{r.get('status', '')}")
+    return "\n".join(lines)
+
+
+def format_same_memory(rows: list[dict]) -> str:
+    """The same-memory view: per turnip budget, the fastest system that fits in its memory, and the speed-up."""
+    view = same_memory(rows)
+    if not view:
+        return ""
+    num = _num
+    head = f"{'model':<16} {'budget':>6} {'cap GiB':>8} {'turnip ms':>9}  {'fastest that fits':<21} {'ms':>8} " \
+           f"{'GiB':>6} {'math':>5} {'speed-up':>8}  {'fastest with eager math':<23} {'speed-up':>8}"
+    title = "same memory: turnip beside the fastest system whose measured peak fits in max(budget, turnip's peak)"
+    lines = [title, head, "-" * len(head)]
+    for e in view:
+        math_label = {"eager": "eager", "bf16 weights": "bf16"}.get(e.get("peer_math"), "-")
+        turnip_ms = num(e["turnip_step_s"], 1e3) if e["turnip_step_s"] else e.get("status") or "-"
+        lines.append(
+            f"{e.get('model') or '':<16} {num(e.get('budget'), fmt='{:.2f}'):>6} {num(e['cap_bytes'], 2**-30, '{:.2f}'):>8} "
+            f"{turnip_ms:>9}  {e['peer'] or 'none fits':<21} {num(e['peer_step_s'], 1e3):>8} "
+            f"{num(e['peer_peak'], 2**-30, '{:.2f}'):>6} {math_label:>5} {num(e['speedup'], fmt='{:.2f}x'):>8}  "
+            f"{e['eager_math_peer'] or '-':<23} {num(e['eager_math_speedup'], fmt='{:.2f}x'):>8}")
     return "\n".join(lines)

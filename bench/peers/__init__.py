@@ -1,24 +1,36 @@
 """The systems the benchmark compares turnip with, each ``run(workload, device, steps, **kw) -> PeerResult``.
 
-eager                plain PyTorch: the reference (no memory knob)
-checkpoint           torch.utils.checkpoint around every transformer block (use_reentrant=False)
-offload              torch.autograd.graph.save_on_cpu(pin_memory=True) around the forward
-checkpoint_offload   both: one activation per block, kept on the CPU
-deepspeed            DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU)      } only where the
-torchao              torchao.optim.CPUOffloadOptimizer                           } package imports;
-torchtune            torchtune OffloadActivations + per-block checkpointing      } else "not installed"
+eager                  plain PyTorch: the reference (no memory knob)
+checkpoint             torch.utils.checkpoint around every transformer block (use_reentrant=False)
+offload                torch.autograd.graph.save_on_cpu(pin_memory=True) around the forward
+checkpoint_offload     both: one activation per block, kept on the CPU
+deepspeed_zero2        DeepSpeed ZeRO-Offload: stage 2, optimizer on the CPU, eager's math   } zero_offload.py
+deepspeed_zero2_bf16   the same with bf16 weights (trades precision)                         }
+deepspeed_zero3        ZeRO-Infinity's CPU tier: stage 3, parameters + optimizer on the CPU  }
+torchao                torchao.optim.CPUOffloadOptimizer (fused AdamW on the CPU)             } torchao_offload.py
+torchao_offload_grads  the same with offload_gradients=True and per-block checkpointing      }
+torchtune              torchtune OffloadActivations + per-block checkpointing                  torchtune_offload.py
+
+The last six need CUDA ("skipped" otherwise) and their package ("not installed" otherwise); every
+DeepSpeed row uses per-block checkpointing too. ``isolated`` runs any of them (and turnip) in a
+process of its own.
 """
 
-from turnip.bench.peers import checkpoint, eager, offload, optional
+from turnip.bench.peers import checkpoint, eager, offload, torchao_offload, torchtune_offload, zero_offload
 
 PEERS = {
     "eager": eager.run,
     "checkpoint": checkpoint.run,
     "offload": offload.run,
     "checkpoint_offload": offload.run_checkpoint_offload,
-    "deepspeed": optional.run_deepspeed,
-    "torchao": optional.run_torchao,
-    "torchtune": optional.run_torchtune,
+    "deepspeed_zero2": zero_offload.run_zero2,
+    "deepspeed_zero2_bf16": zero_offload.run_zero2_bf16,
+    "deepspeed_zero3": zero_offload.run_zero3,
+    "torchao": torchao_offload.run,
+    "torchao_offload_grads": torchao_offload.run_offload_gradients,
+    "torchtune": torchtune_offload.run,
 }
+TORCH_PEERS = ("eager", "checkpoint", "offload", "checkpoint_offload")  # torch only: run anywhere
+CUDA_PEERS = tuple(name for name in PEERS if name not in TORCH_PEERS)  # a package of their own, and CUDA
 
-__all__ = ["PEERS"]
+__all__ = ["CUDA_PEERS", "PEERS", "TORCH_PEERS"]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import importlib
+import importlib.util
 import logging
 import math
 import signal
@@ -31,6 +33,9 @@ log = logging.getLogger(__name__)
 
 OK, OOM, INFEASIBLE, ERROR, TIMEOUT, NOT_INSTALLED, SKIPPED = (
     "ok", "oom", "infeasible", "error", "timeout", "not installed", "skipped")
+# what a row computes: eager's math (fp32 weights, the workload's optimizer and options, no clipping; bf16 only
+# where the loss's autocast puts it), or bf16 weights (fp32 master weights in the optimizer: trades precision)
+EAGER_MATH, BF16_WEIGHTS = "eager", "bf16 weights"
 
 
 @dataclass
@@ -46,6 +51,12 @@ class OptimizerSpec:
     @property
     def name(self) -> str:
         return self.cls.__name__
+
+    def hyperparameters(self) -> dict:
+        """Every option the optimizer runs with, its defaults included (lr, betas, eps, weight_decay, ...):
+        what a peer with its own implementation (DeepSpeed's CPU Adam) must be given to do the same update."""
+        probe = torch.zeros(1, requires_grad=True)
+        return dict(self.cls([probe], **self.kwargs).defaults)
 
 
 @dataclass
@@ -67,6 +78,12 @@ class Workload:
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def trainable_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the trainable parameters (as ``dtype`` when given): what a peer that moves every gradient
+    or weight across the link once per step moves."""
+    return sum(p.numel() * (dtype.itemsize if dtype is not None else p.element_size()) for p in trainable(model))
 
 
 def parameter_count(model: nn.Module) -> dict:
@@ -92,6 +109,7 @@ class PeerResult:
     peak_reserved: int | None = None  # torch.cuda.max_memory_reserved (what the caching allocator held)
     bytes_h2d: int | None = None  # per step, where knowable
     bytes_d2h: int | None = None
+    math: str | None = None  # EAGER_MATH or BF16_WEIGHTS: whether the row computes eager's numbers
     extra: dict = field(default_factory=dict)
 
     def stats(self) -> dict:
@@ -140,6 +158,30 @@ def record_peaks(result: PeerResult, device) -> None:
     if is_cuda(device) and torch.cuda.is_available():
         result.peak_allocated = int(torch.cuda.max_memory_allocated(device))
         result.peak_reserved = int(torch.cuda.max_memory_reserved(device))
+
+
+def importable(module: str) -> str | None:
+    """None if ``module`` imports, else why not (missing, or broken: e.g. built for another torch)."""
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        return f"{module.split('.')[0]} is not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - a broken install is as good as a missing one here
+        return f"{module} does not import: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+def unavailable(system: str, device, module: str) -> PeerResult | None:
+    """The row of a peer that cannot run here, or None: "skipped" without a CUDA device (every offloading
+    peer moves data between a GPU and the host), "not installed" where ``module`` does not import."""
+    if not is_cuda(device) or not torch.cuda.is_available():
+        why = "needs a CUDA device" if not is_cuda(device) else "CUDA is not available"
+        return PeerResult(system, status=SKIPPED, error=why)
+    why = importable(module)
+    if why:
+        log.info("%s: %s", system, why)
+        return PeerResult(system, status=NOT_INSTALLED, error=why)
+    return None
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from turnip.bench.peers.common import PeerResult, Workload, guarded, timed_steps, trainable
+from turnip.bench.peers.common import EAGER_MATH, PeerResult, Workload, guarded, timed_steps, trainable
 
 
 def training_step(model, loss_fn, batch, optimizer, forward_context: Callable = contextlib.nullcontext):
@@ -21,13 +21,13 @@ def training_step(model, loss_fn, batch, optimizer, forward_context: Callable = 
 def run_with(system: str, workload: Workload, device, steps: int, prepare: Callable | None = None,
              forward_context: Callable = contextlib.nullcontext, warmup: int = 1, deadline: float | None = None,
              limit_s: float | None = None, after_step: Callable | None = None,
-             make_optimizer: Callable | None = None) -> PeerResult:
+             make_optimizer: Callable | None = None, math: str = EAGER_MATH) -> PeerResult:
     """The loop all torch-level peers share: copy the model, ``prepare(model)``, time the steps.
 
     ``after_step(result)`` runs once after the timed steps (e.g. to read byte counters);
     ``make_optimizer(params)`` replaces the workload's optimizer (same class and options, other home).
     """
-    result = PeerResult(system)
+    result = PeerResult(system, math=math)
 
     def body():
         model = workload.fresh_model(device)

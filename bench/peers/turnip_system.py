@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from turnip.bench.peers.common import (
+    EAGER_MATH,
     INFEASIBLE,
     PeerResult,
     Workload,
@@ -86,7 +87,7 @@ def floor_and_sim(mg, device, eager_step_s: float | None, sim_trace: Path | None
 def run(workload: Workload, device, steps: int, budget: float, eager_peak: int | None = None,
         eager_step_s: float | None = None, warmup: int = 1, deadline: float | None = None,
         limit_s: float | None = None, trace_path: str | Path | None = None, planner: str = "auto") -> PeerResult:
-    result = PeerResult("turnip")
+    result = PeerResult("turnip", math=EAGER_MATH)  # the traced step's own ops: eager's numbers
     arg, basis = budget_argument(budget, eager_peak)
     result.extra.update(budget=budget, budget_bytes=arg if isinstance(arg, int) else None, budget_basis=basis,
                         planner_requested=planner)
