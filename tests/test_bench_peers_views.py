@@ -103,7 +103,8 @@ def test_pareto_plot_writes_a_png(rows, tmp_path):
 
 def test_systems_shorthands():
     assert expand_systems(["all"]) == list(ALL_SYSTEMS) and ALL_SYSTEMS[0] == "eager"
-    assert expand_systems(["turnip", "peers"]) == [*PEERS, "turnip"]  # eager first, turnip last
+    assert expand_systems(["peers", "turnip"]) == ["eager", "turnip", *(p for p in PEERS if p != "eager")]
+    assert "offload" not in expand_systems(["all"]) and "offload" in expand_systems(["torch"])
     assert expand_systems(["torch", "checkpoint", "torchao"]) == ["eager", "checkpoint", "offload",
                                                                   "checkpoint_offload", "torchao"]
     assert expand_systems(["offloading"])[0] == "deepspeed_zero2"
