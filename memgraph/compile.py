@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -17,10 +18,10 @@ from turnip.memgraph.build import build, build_walks
 from turnip.memgraph.progress import Phases, stderr_is_terminal
 from turnip.memgraph.report import compile_report
 from turnip.memgraph.trace import target_device, trace
+from turnip.planners.cache import CachedPlan, PlanCache, plan_key
 from turnip.planners.costs import default_costs
+from turnip.planners.driver import check_options, plan_candidates, run_plan
 from turnip.planners.measure import device_name
-
-from turnip import planners
 
 UNBOUNDED = 1 << 62  # a budget nothing ever exceeds
 
@@ -38,7 +39,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             budget: float | str | None = None, device: str | torch.device | None = None,
             planner: str = "auto", cpu_budget: int | str | None = None, alignment: int | None = None,
             fused_optimizer: bool | None = None, max_grad_norm: float | None = None, norm_type: float = 2.0,
-            accumulation_steps: int = 1, verbose: bool = True, **planner_options) -> MemGraph:
+            accumulation_steps: int = 1, verbose: bool = True, cache: bool | str | os.PathLike = True,
+            **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
 
     budget: how much GPU memory the step may use (ir/budget.py):
@@ -75,14 +77,25 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     module. False shows neither. Either way the report is logged at INFO on the logger
     "turnip.memgraph.compile" (memgraph.report.compile_report(mg) gives the same text, also for a
     loaded MemGraph); library messages go through `logging` only.
+    cache: the plan cache (planners/cache.py). True (default): a plan is looked up before planning
+    and stored after, as JSON in $TURNIP_CACHE_DIR/plans (default ~/.cache/turnip/plans), keyed by
+    the traced step (structure, shapes, dtypes, op costs), the budgets in bytes, the device, the
+    planner and its options; a second compile of the same step skips planning. A path: that
+    folder. False: plan every time, store nothing.
     planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
-    the ILP solver may run, default 30), headroom, windows, gap, depth, max_candidates,
-    max_chain, max_items, order, solver, threads, msg; and costs, a planners.costs.CostModel
-    (default: measured on a present CUDA device, analytic otherwise).
+    the ILP solver may run; default None, scaled to the problem: planners/driver.py's
+    ilp_time_limit, 0.5 ms per binary variable, 3 ms with op costs measured on the GPU, within
+    1-60 s; the ILP starts from the greedy plan and returns it when it finds nothing better in
+    time), headroom, windows, gap, depth,
+    max_candidates, max_chain, max_items, order, solver, threads, msg; and costs, a
+    planners.costs.CostModel (default: measured on a present CUDA device, analytic otherwise).
     """
     check_budget(budget)  # a budget that cannot be read fails before tracing, not after
     if cpu_budget is not None:
         check_budget(cpu_budget, what="cpu_budget")
+    store = PlanCache.open(cache)
+    if planner != "none":  # so are unknown planners and options (a cached plan would not see them)
+        check_options(planner, **{k: v for k, v in planner_options.items() if k != "costs"})
     device = target_device(device or default_device())
     alignment = alignment or (256 if device.type == "cuda" else 64)
     started = time.perf_counter()
@@ -106,24 +119,34 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             cpu_bytes = parse_budget(cpu_budget, peak, what="cpu_budget") if cpu_budget is not None else None
             log.debug("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
                       time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
-            candidates = None
-            if gpu_budget < peak:
+            candidates, key, hit = None, None, None
+            if gpu_budget < peak and planner != "none" and store is not None:
+                key = plan_key(tg, gpu_budget, cpu_bytes, device=str(device), planner=planner,
+                               options=planner_options, alignment=alignment, costs=costs)
+                hit = store.load(key, tg, gpu_budget, cpu_bytes)
+            if hit is not None:
+                progress.describe("planning", "cached plan")
+            elif gpu_budget < peak:
                 progress.describe("planning", _planning_detail(planner, planner_options))
-                if planner == "auto" and device.type == "cuda":
-                    candidates = planners.plan_candidates(tg, gpu_budget, cpu_bytes, costs=costs, alignment=alignment,
-                                                          **planner_options)
-                else:
-                    candidates = [make_plan(tg, gpu_budget, cpu_bytes, planner, costs=costs, alignment=alignment,
-                                            **planner_options)]
+                candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
+                                       planner_options)
         with progress.phase("building"):
-            if candidates is None:  # everything fits: nothing to plan
+            mg = build_cached(tg, hit, alignment) if hit is not None else None
+            if hit is not None and mg is None:  # the cached plan did not build: plan afresh, overwrite it
+                candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
+                                       planner_options)
+            if mg is not None:
+                mg.stats["plan_cache"] = "hit"
+            elif candidates is None:  # everything fits: nothing to plan
                 mg = keep_everything(tg, keep_all, gpu_budget, cpu_bytes, alignment)
             else:
-                if device.type == "cuda":  # both walks of each plan (memgraph/build.py): the simulator picks
-                    mgs = [mg for plan in candidates for mg in build_walks(tg, plan, alignment=alignment)]
-                else:
-                    mgs = [build(tg, plan, alignment=alignment) for plan in candidates]
-                mg = mgs[0] if len(mgs) == 1 else fastest_simulated(mgs, costs, device.type)
+                mg, walk = build_candidates(tg, candidates, alignment, costs, device.type)
+                if planner != "none":
+                    mg.stats["plan_cache"] = "off" if key is None else "miss"
+                if key is not None:
+                    store.store(key, CachedPlan(mg.plan, walk, mg.stats.get("simulated_step_s")), about={
+                        "device": str(device), "device_name": device_name(str(device)), "planner": planner,
+                        "gpu_budget": gpu_budget, "cpu_budget": cpu_bytes, "vertices": len(tg.vertices)})
             # engine.run follows its hyperparameters (LR schedulers); its state exports to eager
             mg.optimizer = CompiledOptimizer(mg, optimizer) if optimizer is not None else None
             mg.initial_state = dict(tg.initial_state)
@@ -148,8 +171,60 @@ def report_printed(verbose: bool) -> bool:
 
 def _planning_detail(planner: str, options: dict) -> str:
     if planner in ("auto", "ilp"):
-        return f"ILP, up to {options.get('time_limit', 30.0):g} s"
+        limit = options.get("time_limit")
+        return f"ILP, up to {limit:g} s" if limit is not None else "greedy, then the ILP"
     return "greedy" if planner == "greedy" else ""
+
+
+def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: torch.device, costs, alignment: int,
+              progress: Phases, options: dict) -> list[Plan]:
+    """The plans to build: on CUDA with planner "auto" every candidate (the simulator picks), else
+    the one plan. The progress bar names what the planner does (greedy, the ILP's time limit)."""
+    def describe(detail: str) -> None:
+        progress.describe("planning", detail)
+
+    if planner == "auto" and device.type == "cuda":
+        return plan_candidates(tg, gpu_budget, cpu_bytes, costs=costs, alignment=alignment, describe=describe,
+                               **options)
+    return [make_plan(tg, gpu_budget, cpu_bytes, planner, costs=costs, alignment=alignment, describe=describe,
+                      **options)]
+
+
+def build_candidates(tg, candidates: list[Plan], alignment: int, costs, backend: str) -> tuple[MemGraph, str | None]:
+    """The MemGraph of the plans, and which walk of the builder made it ("ahead", "compact"; None
+    where build chose by itself). On CUDA both walks of each plan are built (memgraph/build.py) and
+    the simulator picks."""
+    if backend != "cuda":
+        mgs = [build(tg, plan, alignment=alignment) for plan in candidates]
+        walks = [None] * len(mgs)
+    else:
+        mgs, walks = [], []
+        for plan in candidates:
+            built = build_walks(tg, plan, alignment=alignment)
+            mgs += built
+            walks += ["ahead", "compact"][:len(built)]
+    if len(mgs) == 1:
+        return mgs[0], walks[0]
+    best = fastest_simulated(mgs, costs, backend)
+    return best, walks[next(k for k, mg in enumerate(mgs) if mg is best)]
+
+
+def build_cached(tg, hit: CachedPlan, alignment: int) -> MemGraph | None:
+    """The MemGraph of a cached plan, built by the walk that won when it was planned; None (with a
+    warning) when it does not build."""
+    try:
+        if hit.walk == "compact":
+            mg = build(tg, hit.plan, alignment=alignment, compact=True)
+        elif hit.walk == "ahead":
+            mg = build_walks(tg, hit.plan, alignment=alignment)[0]
+        else:
+            mg = build(tg, hit.plan, alignment=alignment)
+    except Exception as exc:  # noqa: BLE001 - a cached plan that does not build is planned again
+        log.warning("the cached plan does not build (%s: %s); planning again", type(exc).__name__, exc)
+        return None
+    if hit.simulated_step_s is not None:
+        mg.stats["simulated_step_s"] = hit.simulated_step_s
+    return mg
 
 
 def keep_everything(tg, keep_all: MemGraph, gpu_budget: int, cpu_bytes: int | None, alignment: int) -> MemGraph:
@@ -201,4 +276,4 @@ def unplanned_peak(keep_all: MemGraph) -> int:
 def make_plan(tg, gpu_budget: int, cpu_budget: int | None, planner: str, **options):
     if planner == "none":
         return Plan(gpu_budget=gpu_budget, cpu_budget=cpu_budget, planner="none")
-    return planners.plan(tg, gpu_budget, cpu_budget=cpu_budget, method=planner, **options)
+    return run_plan(tg, gpu_budget, cpu_budget=cpu_budget, method=planner, **options)

@@ -15,13 +15,14 @@ __all__ = ["CPU", "GPU", "InfeasibleBudget", "Plan", "Recompute", "plan", "plan_
 
 
 def plan(taskgraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
-         time_limit: float = 30.0, costs=None, **opts) -> Plan:
+         time_limit: float | None = None, costs=None, **opts) -> Plan:
     """Plan one training step within `gpu_budget` bytes (and `cpu_budget` pinned bytes).
 
     costs: a turnip.planners.costs.CostModel (default: measured on the graph's CUDA device when
     present, analytic H100-class rates otherwise); it fills vertex.time/workspace where unset.
     time_limit: seconds the MILP solver may run (it starts from the greedy plan, so it always has
-    one). Options: headroom (fraction of budget - workspace planned with, default 0.92, slack for
+    one); None scales it to the problem (planners.driver.ilp_time_limit: 0.5 ms per binary
+    variable, 3 ms with op costs measured on the GPU, within 1-60 s). Options: headroom (fraction of budget - workspace planned with, default 0.92, slack for
     fragmentation and prefetching), alignment (default 256 on CUDA, 64 otherwise), windows
     (overlap windows, default n/8 up to 160), gap (relative MIP gap to stop at, default 0.005),
     depth/max_candidates/max_chain (recompute chain limits), max_items (home decisions before

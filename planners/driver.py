@@ -1,9 +1,18 @@
-"""plan(): costs -> Problem -> greedy (baseline, warm start) -> ILP -> the better plan -> Plan."""
+"""plan(): costs -> Problem -> greedy (baseline, warm start, cutoff) -> ILP -> the better plan -> Plan.
+
+The ILP runs under a time limit scaled to its size (``ilp_time_limit``: SECONDS_PER_BINARY per
+binary variable, at least TIME_LIMIT_FLOOR, at most TIME_LIMIT_CAP seconds) unless the caller
+gives one. It starts from the greedy plan and prunes whatever cannot beat it (the greedy plan's
+objective is its cutoff), so it always has greedy's plan in hand; when it stops at the limit
+without beating it, the greedy plan is returned.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Callable
 
 from turnip.ir.budget import format_bytes
 from turnip.ir.errors import InfeasibleBudget
@@ -23,6 +32,39 @@ METHODS = ("auto", "ilp", "greedy")
 _MODEL_OPTS = ("headroom", "alignment", "windows", "depth", "max_candidates", "max_chain", "max_items", "order")
 _SOLVER_OPTS = ("gap", "msg", "solver", "threads")
 
+# The ILP's default time limit: this many seconds per binary variable, within [floor, cap]: the
+# floor for the 30M-parameter GPT-2 at 50% (1614 binaries), 1.7 s for a 32-layer GPT (3435), a
+# minute from 120000. Past it (and a grace, solver.deadline) the greedy plan is used: compile stays
+# fast (the 30M GPT-2 in under 5 s on a 2-core CPU), and a longer search is one time_limit= away.
+SECONDS_PER_BINARY = 5e-4
+# With op costs measured on the GPU the plan is for real steps, run thousands of times: on an H100
+# the ILP's plan was the simulator's pick at 50% for gpt350m in some runs (bench/results/h100), so
+# it gets 6x longer: about 10 s for the 3,500 binaries of gpt350m or gpt1.3b.
+SECONDS_PER_BINARY_MEASURED = 3e-3
+TIME_LIMIT_FLOOR = 1.0
+TIME_LIMIT_CAP = 60.0
+
+
+def ilp_time_limit(n_binaries: int, measured: bool = False) -> float:
+    """Seconds the ILP may run by default: SECONDS_PER_BINARY (SECONDS_PER_BINARY_MEASURED when the
+    op costs were measured on the target GPU) per binary, between the floor and the cap."""
+    rate = SECONDS_PER_BINARY_MEASURED if measured else SECONDS_PER_BINARY
+    return min(TIME_LIMIT_CAP, max(TIME_LIMIT_FLOOR, rate * n_binaries))
+
+
+def check_options(method: str, time_limit: float | None = None, **opts) -> None:
+    """Refuse an unknown method, an unknown option or a time limit that is not a positive number
+    of seconds, as planning would (memgraph.compile asks before it looks in the plan cache)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown planner method {method!r} (choose from {', '.join(METHODS)})")
+    unknown = set(opts) - set(_MODEL_OPTS) - set(_SOLVER_OPTS)
+    if unknown:
+        raise TypeError(f"unknown planner options: {', '.join(sorted(unknown))}")
+    number = isinstance(time_limit, (int, float)) and not isinstance(time_limit, bool)
+    if time_limit is not None and not (number and time_limit > 0 and math.isfinite(time_limit)):
+        raise ValueError(f"time_limit must be a positive number of seconds or None (scaled to the problem), "
+                         f"not {time_limit!r}")
+
 
 def make_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, costs: CostModel | None = None,
                  **opts) -> Problem:
@@ -35,39 +77,46 @@ def make_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, 
                          host_per_vertex=costs.host_per_vertex_on(tg.device), **model)
 
 
+Describe = Callable[[str], None]  # told what the planner does now ("greedy", "ILP, up to 3.2 s")
+
+
 def run_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
-             time_limit: float = 30.0, costs: CostModel | None = None, **opts) -> Plan:
-    return _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, **opts)[0]
+             time_limit: float | None = None, costs: CostModel | None = None, describe: Describe | None = None,
+             **opts) -> Plan:
+    """The plan: greedy's, or the ILP's when it beats greedy's in time. time_limit: seconds the ILP
+    may run; None scales it to the problem (ilp_time_limit)."""
+    return _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, describe, **opts)[0]
 
 
 def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
-                    time_limit: float = 30.0, costs: CostModel | None = None, **opts) -> list[Plan]:
+                    time_limit: float | None = None, costs: CostModel | None = None,
+                    describe: Describe | None = None, **opts) -> list[Plan]:
     """Plans worth building and comparing (memgraph.compile simulates each built one): the plan
     run_plan returns, then the greedy plan the ILP started from when it fits the model too; and,
     for method "auto" without an explicit headroom, the same two planned against the whole budget
     (headroom 1.0). The default headroom keeps slack for fragmentation and prefetching, which costs
     transfers when the budget is only just below the peak; whether the builder fits a plan of the
     whole budget without evicting more is known only once built."""
-    plans = _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, **opts)
+    plans = _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, describe, **opts)
     if method == "auto" and "headroom" not in opts:
-        plans += _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, headroom=1.0, **opts)
+        plans += _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, describe, headroom=1.0, **opts)
     return plans
 
 
 def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
-                time_limit: float = 30.0, costs: CostModel | None = None, **opts) -> list[Plan]:
+                time_limit: float | None = None, costs: CostModel | None = None, describe: Describe | None = None,
+                **opts) -> list[Plan]:
     """The plan run_plan returns first; when that is the ILP's and the greedy plan it started from
     fits the model too, that one second (same problem, same greedy run)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown planner method {method!r} (choose from {', '.join(METHODS)})")
-    unknown = set(opts) - set(_MODEL_OPTS) - set(_SOLVER_OPTS)
-    if unknown:
-        raise TypeError(f"unknown planner options: {', '.join(sorted(unknown))}")
+    check_options(method, time_limit, **opts)
+    describe = describe or (lambda detail: None)
     started = time.perf_counter()
+    costs = costs if costs is not None else default_costs(tg)
     problem = make_problem(tg, gpu_budget, cpu_budget, costs, **opts)
     floor = builder_floor(problem)
     if gpu_budget < floor:
         raise_infeasible(problem, floor)
+    describe("greedy")
     g_dec, g_ev, g_stats = greedy(problem)
     stats = {"problem_seconds": time.perf_counter() - started, "greedy_seconds": g_stats["seconds"],
              "greedy_time": g_ev.time if g_ev.feasible else None, "method": method, "fits_model": g_ev.feasible,
@@ -82,12 +131,25 @@ def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, m
     solver_opts.setdefault("gap", 5e-3)  # the cost model itself is not more accurate than this
     f = ilp.formulate(problem)
     start = ilp.start_values(problem, f, g_ev.options, g_dec.cpu, g_ev.window_time) if g_ev.feasible else None
-    result = solver.solve(f, start, time_limit=time_limit, **solver_opts)
+    # what the ILP must beat: the greedy plan (its warm start) as the ILP itself prices it
+    cutoff = sum(c * v for c, v in zip(f.obj, start) if c) if start is not None else None
+    limit, source = (float(time_limit), "given") if time_limit is not None else (ilp_time_limit(f.n_binaries, bool(getattr(costs, "measure", False))), "auto")
+    log.info("ILP time limit %.3g s (%s), %d binaries; %s", limit,
+             f"scaled to the problem within {TIME_LIMIT_FLOOR:g}-{TIME_LIMIT_CAP:g} s"
+             if source == "auto" else "given", f.n_binaries,
+             f"to beat: the greedy plan's {g_ev.time * 1e3:.3f} ms" if cutoff is not None else "no greedy plan fits")
+    describe(f"ILP, up to {limit:.3g} s")
+    result = solver.solve(f, start, time_limit=limit, cutoff=cutoff, **solver_opts)
     stats.update({"solver": result.solver, "status": result.status, "optimal": result.optimal,
                   "gap": result.gap, "objective_ms": result.objective, "bound_ms": result.bound,
                   "solve_seconds": result.seconds, "ilp_build_seconds": result.stats.get("build_seconds"),
                   "columns": len(f.names), "binaries": f.n_binaries, "rows": len(f.rows),
-                  "time_limit": time_limit})
+                  "time_limit": limit, "time_limit_source": source, "cutoff_ms": cutoff})
+    if result.values is None and result.status == solver.DEADLINE_PASSED:
+        stats["fallback"] = f"ilp found no plan better than greedy's in {result.seconds:.1f} s (limit {limit:.3g} s)"
+        log.info("ILP still running %.1f s after the start (limit %.3g s); using the greedy plan", result.seconds,
+                 limit)
+        return [_finish(problem, g_dec, g_ev, "greedy", stats)]
     if result.values is None:
         stats["fallback"] = f"ilp found no solution ({result.status})"
         log.warning("ILP found no solution (%s after %.1fs); using the greedy plan", result.status, result.seconds)
@@ -99,12 +161,36 @@ def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, m
         stats["fallback"] = f"ilp solution rejected: {ev.reason}"
         return [_finish(problem, g_dec, g_ev, "greedy", stats)]
     stats["fits_model"] = True
-    if g_ev.feasible and g_ev.objective < ev.objective:  # cannot happen with the warm start; belt and braces
-        stats["fallback"] = "greedy plan faster than the ILP's"
+    if g_ev.feasible and (g_ev.objective < ev.objective or (g_ev.objective == ev.objective and not result.optimal)):
+        # stopped without beating the greedy plan it started from (or, belt and braces, worse)
+        stats["fallback"] = (f"ilp found no plan better than greedy's in {result.seconds:.1f} s "
+                             f"(limit {limit:.3g} s, {result.status})")
+        log.info("ILP found no plan better than greedy's in %.1f s (limit %.3g s, %s); using the greedy plan",
+                 result.seconds, limit, result.status)
         return [_finish(problem, g_dec, g_ev, "greedy", stats)]
     stats["improvement_over_greedy"] = (g_ev.time / ev.time - 1.0) if g_ev.feasible and ev.time > 0 else None
+    log.info("ILP plan: predicted %.3f ms per step%s, %s in %.1f s (limit %.3g s)", ev.time * 1e3,
+             f" against greedy's {g_ev.time * 1e3:.3f} ms" if g_ev.feasible else "", result.status,
+             result.seconds, limit)
     best = _finish(problem, dec, ev, "ilp", stats)
     return [best, _finish(problem, g_dec, g_ev, "greedy", dict(stats))] if g_ev.feasible else [best]
+
+
+def outcome(stats: dict) -> str:
+    """What the planner did, in words, from a Plan's stats: which plan won and why, and the ILP's
+    time limit (for logs and the compile report); "" for a plan no planner of this module made."""
+    if "reason" in stats:
+        return f"greedy plan ({stats['reason']})"
+    limit = stats.get("time_limit")
+    if limit is None:
+        return ""
+    scaled = f"scaled to {stats.get('binaries')} binaries" if stats.get("time_limit_source") == "auto" else "given"
+    how = f"ILP time limit {limit:.3g} s ({scaled})"
+    if "fallback" in stats:
+        return f"greedy plan: {stats['fallback']}; {how}"
+    gain = stats.get("improvement_over_greedy")
+    faster = f", {gain:.0%} faster than greedy's" if gain else ""
+    return f"ILP plan{faster}: {stats.get('status')} in {stats.get('solve_seconds') or 0.0:.1f} s; {how}"
 
 
 def _finish(problem: Problem, dec: Decisions, ev: Evaluation, planner: str, stats: dict) -> Plan:

@@ -129,7 +129,7 @@ def terminal(monkeypatch):
 def test_verbose_on_a_terminal_shows_phases_and_prints_the_report(terminal, capsys):
     mg = compiled(0.5)
     err = capsys.readouterr().err
-    for phase in ("tracing", "measuring op costs", "planning (ILP, up to 30 s)", "building"):
+    for phase in ("tracing", "measuring op costs", "planning (ILP, up to ", "building"):
         assert phase in err, f"progress never named {phase!r}"
     assert compile_report(mg) in err
 
