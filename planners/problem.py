@@ -353,9 +353,14 @@ def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, s
             old_last = readers[w][-1] if readers[w] else p_u
             gpu_end = max(p_u, own_last, old_last)  # copied into its home once the old value is dead
             cpu_end = max(own_last, p_u)  # written back (d2h) as soon as it is produced
-            add(p_u, gpu_end, bu)
-            delta.append((p_u, gpu_end, -bu))
-            delta.append((p_u, cpu_end, bu))
+            # an update in place (copy_in, the old version read last by the update itself) writes the
+            # new version over the old one's bytes: no second buffer, on a GPU home or a reloaded copy
+            in_place = old_last == p_u and bu == b and (w, u) in tg.vertices[tg.values[u].producer].copy_in
+            if not in_place:
+                add(p_u, gpu_end, bu)
+                delta.append((p_u, gpu_end, -bu))
+            if not in_place or cpu_end > p_u:
+                delta.append((p_u + in_place, cpu_end, bu))
             d2h[int(window_of[p_u])] = d2h.get(int(window_of[p_u]), 0) + bu
             writes.append(int(window_of[p_u]))
         host = dict(launches(host_per_vertex, *Counter(fetches + writes).items()))
