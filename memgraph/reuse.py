@@ -46,6 +46,14 @@ ALIASABLE: dict[str, tuple[int, ...]] = {
     "aten::sigmoid_backward": (0, 1),
     "aten::relu": (0,),
     "aten::neg": (0,),
+    "aten::pow.Tensor_Scalar": (0,),  # RMSNorm's square, and the scalar arithmetic around it
+    "aten::mul.Scalar": (0,),
+    "aten::add.Scalar": (0,),
+    "aten::div.Scalar": (0,),
+    "aten::rsqrt": (0,),
+    "aten::exp": (0,),
+    "aten::sigmoid": (0,),
+    "aten::tanh": (0,),
 }
 
 

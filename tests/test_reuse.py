@@ -9,7 +9,7 @@ import torch
 from cases import bf16_autocast
 from turnip.bench.models import gpt, mlp
 from turnip.ir.plan import Plan
-from turnip.kernels.ops import resolve_op
+from turnip.kernels.ops import out_variant, resolve_op
 from turnip.memgraph.build import build
 from turnip.memgraph.reuse import ALIASABLE, donate_dying_inputs
 from turnip.planners.memory import Decisions, evaluate
@@ -33,7 +33,11 @@ def _inputs(op: str, slot: int, device: str, columns: int):
         return [a, aten._log_softmax(b, 1, False), 1, torch.float32], {}
     if op == "aten::_softmax_backward_data":
         return [a, aten._softmax(b, 1, False), 1, torch.float32], {}
-    if op in ("aten::gelu", "aten::silu", "aten::relu", "aten::neg"):
+    if op in ("aten::pow.Tensor_Scalar", "aten::mul.Scalar", "aten::add.Scalar", "aten::div.Scalar"):
+        return [a, 3.0 if op != "aten::pow.Tensor_Scalar" else 2.0], {}
+    if op == "aten::rsqrt":
+        return [a.abs() + 0.1], {}
+    if op in ("aten::gelu", "aten::silu", "aten::relu", "aten::neg", "aten::exp", "aten::sigmoid", "aten::tanh"):
         return [a], ({"approximate": "tanh"} if op == "aten::gelu" else {})
     if op == "aten::gelu_backward":
         return [a, b], {"approximate": "tanh"}
@@ -51,17 +55,9 @@ def _inputs(op: str, slot: int, device: str, columns: int):
 def test_each_aliasable_kernel_gives_its_own_result_over_its_input(op, slot, columns, device):
     args, kwargs = _inputs(op, slot, device, columns)
     expected = resolve_op(op)(*args, **kwargs)
-    fn = resolve_op(op)
-    overload = fn.overloadpacket
-    out_name = None
-    for name in overload.overloads():
-        cand = getattr(overload, name)
-        outs = [a.name for a in cand._schema.arguments if a.is_out]
-        if len(outs) == 1 and [a.name for a in cand._schema.arguments if not a.is_out] == \
-                [a.name for a in fn._schema.arguments]:
-            out_op, out_name = cand, outs[0]
-            break
-    assert out_name is not None, f"{op} has no out= overload"
+    variant = out_variant(op)  # the overload the rewrite uses
+    assert variant is not None and len(variant[1]) == 1, f"{op} has no out= overload"
+    out_op, (out_name,) = variant
     target = args[slot].clone()
     args[slot] = target
     out_op(*args, **kwargs, **{out_name: target})
