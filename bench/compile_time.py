@@ -70,6 +70,7 @@ def main(argv=None) -> int:
         greedy_s = stats.get("greedy_time")
         rows.append({
             "planner_requested": planner, "compile_s": seconds, "cached_compile_s": cached_seconds,
+            "unplanned_peak": mg.stats.get("unplanned_peak"), "budget_bytes": mg.plan.gpu_budget,
             "plan_cache": [mg.stats.get("plan_cache"), again.stats.get("plan_cache")],
             "planner": mg.plan.planner, "outcome": outcome(stats), "status": stats.get("status"),
             "greedy_s": stats.get("greedy_seconds"), "solve_s": stats.get("solve_seconds"),
