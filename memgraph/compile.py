@@ -86,7 +86,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     the ILP solver may run; default None, scaled to the problem: planners/driver.py's
     ilp_time_limit, 0.5 ms per binary variable, 3 ms with op costs measured on the GPU, within
     1-60 s; the ILP starts from the greedy plan and returns it when it finds nothing better in
-    time), headroom, windows, gap, depth,
+    time), headroom, windows, gap, depth, reload_room (experimental, default False: count a planned
+    reload's bytes from its prefetch window, not from its use),
     max_candidates, max_chain, max_items, order, solver, threads, msg; and costs, a
     planners.costs.CostModel (default: measured on a present CUDA device, analytic otherwise).
     """

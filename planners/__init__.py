@@ -27,7 +27,9 @@ def plan(taskgraph, gpu_budget: int, cpu_budget: int | None = None, method: str 
     (overlap windows, default n/8 up to 160), gap (relative MIP gap to stop at, default 0.005),
     depth/max_candidates/max_chain (recompute chain limits), max_items (home decisions before
     they are grouped by module, default 512), order (a serial order; default: program order with
-    each parameter's update right after its gradient), solver ("auto" | "highs" | "cbc"), msg.
+    each parameter's update right after its gradient), solver ("auto" | "highs" | "cbc"), msg,
+    reload_room (experimental, default False: a planned reload holds its bytes from the window
+    its prefetch is charged to, not only from its use; not yet measured on a GPU).
 
     The Plan carries predicted_time (seconds per step), predicted_peak (arena bytes plus the
     largest workspace) and, in stats, the solver's status and gap and the mix (bytes kept,

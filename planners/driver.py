@@ -29,7 +29,8 @@ from turnip.planners.problem import build_problem
 log = logging.getLogger(__name__)
 
 METHODS = ("auto", "ilp", "greedy")
-_MODEL_OPTS = ("headroom", "alignment", "windows", "depth", "max_candidates", "max_chain", "max_items", "order")
+_MODEL_OPTS = ("headroom", "alignment", "windows", "depth", "max_candidates", "max_chain", "max_items", "order",
+               "reload_room")
 _SOLVER_OPTS = ("gap", "msg", "solver", "threads")
 
 # The ILP's default time limit: this many seconds per binary variable, within [floor, cap]: the

@@ -31,7 +31,7 @@ def default_windows(n: int) -> int:
 def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, *, bw_h2d: float,
                   bw_d2h: float, headroom: float = 0.92, alignment: int = 256, windows: int | None = None,
                   depth: int = 3, max_candidates: int = 6, max_chain: int = 8, max_items: int = 512,
-                  order: list[int] | None = None, host_per_vertex: float = 0.0) -> Problem:
+                  order: list[int] | None = None, host_per_vertex: float = 0.0, reload_room: bool = False) -> Problem:
     order = list(order) if order is not None else step_order(tg)
     n = len(order)
     pos = np.full(len(tg.vertices), -1, dtype=np.int64)
@@ -196,8 +196,15 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
             # production and of the use (prefetched one window ahead).
             ivs = [iv for hold, last, b in spans for iv in _union(g.pos, hold, c, max(c, last), b)]
             if all(_gap_is_largest(g.pos, readers[o], saved_info[o][0], c) for o in g.saved):
-                # one offload vertex per saved value after production, one reload before the use
-                g.options.append(Option(OFFLOAD, c, ivs, h2d=(wr, g.nbytes), d2h=(wp, g.nbytes),
+                # one offload vertex per saved value after production, one reload before the use.
+                # reload_room (experimental, off by default until measured on a GPU): the reload's
+                # bytes are counted from the start of the window its transfer is charged to, as a
+                # prefetch needs them; by default only from the use (the H100 trace of gpt350m at
+                # 50% shows reloads that could not start early for want of arena room)
+                fetch = [max(hold + 1, min(c, int(win_start[wr]))) if reload_room else c for hold, _, _ in spans]
+                off_ivs = [iv for (hold, last, b), f in zip(spans, fetch)
+                           for iv in _union(g.pos, hold, f, max(c, last), b)]
+                g.options.append(Option(OFFLOAD, c, off_ivs, h2d=(wr, g.nbytes), d2h=(wp, g.nbytes),
                                         host=launches(host_per_vertex, (wp, n_saved), (wr, n_saved))))
             if any(c == cc for cc, _ in rc_valid[gi]):
                 g.options.append(Option(RECOMPUTE, c, ivs, compute=(wc, g.rc_time), extra=extra,
