@@ -12,6 +12,7 @@ Results go to bench/results/ (or $TURNIP_RESULTS, or --out).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -45,6 +46,19 @@ def _out(args) -> Path:
     return Path(args.out) if args.out else result_path("x").parent
 
 
+def _planner_options(items: list[str]) -> dict:
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--planner-option takes KEY=VALUE, not {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
+
+
 def _sites(items: list[str] | None) -> dict[str, list[str]]:
     """--site SYSTEM=PATH[:PATH...], repeatable: sys.path entries first in that system's process."""
     sites: dict[str, list[str]] = {}
@@ -70,6 +84,7 @@ def suite(args) -> int:
         systems=systems, tiny=args.tiny, device=device, out=_out(args), time_limit=args.time_limit,
         system_limit=args.system_limit, peer_limit=args.peer_limit,
         warmup=args.warmup if args.warmup is not None else (1 if args.tiny else 2), planner=args.planner,
+        planner_options=_planner_options(args.planner_option),
         tag=args.tag, batch=args.batch, plots=not args.no_plots,
         isolate=args.isolate or ("none" if args.tiny else "all"), sites=_sites(args.site))
     for b in cfg.budgets:
@@ -142,6 +157,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tag", default="", help="suffix of the JSON file name (split runs of one model)")
     parser.add_argument("--batch", type=int, help="batch size instead of the model's default")
     parser.add_argument("--planner", default="auto", help="memgraph.compile planner: auto, ilp, greedy, none")
+    parser.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a planner option for turnip's compile, the value read as JSON when it parses "
+                             "(e.g. reload_room=true, time_limit=30); repeatable")
     parser.add_argument("--time-limit", type=float, default=540.0, help="seconds for the whole command")
     parser.add_argument("--system-limit", type=float, default=240.0, help="seconds for any one system")
     parser.add_argument("--peer-limit", type=float, default=150.0,

@@ -70,6 +70,7 @@ class SuiteConfig:
     peer_limit: float = 150.0  # seconds for any one system other than turnip (process start and build included)
     warmup: int = 2
     planner: str = "auto"
+    planner_options: dict = field(default_factory=dict)  # memgraph.compile's planner options for turnip (JSON values)
     tag: str = ""
     batch: int | None = None
     plots: bool = True
@@ -281,7 +282,7 @@ def run_systems(cfg: SuiteConfig, runner: Runner, systems: list[str], label: str
         log.info("%s: running turnip at budget %s", label, budget)
         trace = scratch / f"{budget}.json"
         result = runner.run("turnip", budget=budget, eager_peak=eager_peak, eager_step_s=eager_step,
-                            trace_path=str(trace), planner=cfg.planner)
+                            trace_path=str(trace), planner=cfg.planner, planner_options=cfg.planner_options)
         file.add(make_row(label, result, budget))
         if result.status == OK and (trace.exists() or trace.with_name(f"{budget}.sim.json").exists()):
             best = trace

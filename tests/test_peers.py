@@ -116,7 +116,8 @@ def test_budget_argument():
 def test_suite_tiny_end_to_end(tmp_path):
     from turnip.bench.__main__ import main
 
-    assert main(["suite", "--tiny", "--steps", "1", "--systems", "eager,checkpoint,turnip", "--out", str(tmp_path)]) == 0
+    assert main(["suite", "--tiny", "--steps", "1", "--systems", "eager,checkpoint,turnip", "--out", str(tmp_path),
+                 "--planner-option", "reload_room=true"]) == 0
     doc = json.loads((tmp_path / "suite_gpt350m-tiny.json").read_text())
     for key in ("device", "torch", "commit", "model", "rows", "workload"):
         assert key in doc
@@ -126,6 +127,7 @@ def test_suite_tiny_end_to_end(tmp_path):
         assert rows[key]["step_s_median"] > 0 and rows[key]["peak_allocated"] is None
     turnip = rows[("turnip", 0.5)]
     assert turnip["compile_s"] > 0 and turnip["budget_basis"] == "unplanned peak"
+    assert turnip["planner_options"] == {"reload_room": True}  # reached compile (which refuses unknown options)
     assert turnip["max_loss_diff"] == 0.0 and turnip["math"] == "eager"  # CPU backend: bitwise eager numbers
     assert turnip["sim_step_s"] > 0 and turnip["floor_s"] > 0
     assert (tmp_path / "trace_gpt350m-tiny.json").exists() and (tmp_path / "trace_gpt350m-tiny.sim.json").exists()
@@ -142,3 +144,10 @@ def test_ablation_synthetic_nondeterministic_wins():
     summary = {s["jitter"]: s for s in summarize(rows)}
     assert summary[0.0]["det_over_nondet_median"] > 1.01  # prefetching optimizer states pays
     assert summary[0.2]["seeds"] == 3
+
+
+def test_planner_options_must_be_key_value():
+    from turnip.bench.__main__ import main
+
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        main(["suite", "--tiny", "--planner-option", "reload_room"])

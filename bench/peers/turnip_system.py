@@ -86,11 +86,12 @@ def floor_and_sim(mg, device, eager_step_s: float | None, sim_trace: Path | None
 
 def run(workload: Workload, device, steps: int, budget: float, eager_peak: int | None = None,
         eager_step_s: float | None = None, warmup: int = 1, deadline: float | None = None,
-        limit_s: float | None = None, trace_path: str | Path | None = None, planner: str = "auto") -> PeerResult:
+        limit_s: float | None = None, trace_path: str | Path | None = None, planner: str = "auto",
+        planner_options: dict | None = None) -> PeerResult:
     result = PeerResult("turnip", math=EAGER_MATH)  # the traced step's own ops: eager's numbers
     arg, basis = budget_argument(budget, eager_peak)
     result.extra.update(budget=budget, budget_bytes=arg if isinstance(arg, int) else None, budget_basis=basis,
-                        planner_requested=planner)
+                        planner_requested=planner, planner_options=dict(planner_options or {}))
 
     def body():
         # the canonical CPU model is only read by the trace; its weights go into the arena at the first run
@@ -100,7 +101,7 @@ def run(workload: Workload, device, steps: int, budget: float, eager_peak: int |
         t0 = time.perf_counter()
         try:
             mg = memgraph.compile(model, workload.loss_fn, batch, optimizer=optimizer, budget=arg, device=device,
-                                  planner=planner)
+                                  planner=planner, **(planner_options or {}))
         except memgraph.InfeasibleBudget as exc:
             result.status, result.error = INFEASIBLE, str(exc)[:600]
             result.extra["compile_s"] = time.perf_counter() - t0
