@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind
+from turnip.ir.taskgraph import TaskGraph, TensorRef, Value, ValueKind
 from turnip.kernels.ops import op_name, out_variant
 
 log = logging.getLogger(__name__)
@@ -71,10 +71,7 @@ METADATA_ONLY: dict[str, int] = {
 def donate_dying_inputs(tg: TaskGraph) -> int:
     """Rewrite, in place, every vertex whose single result can take a dying input's bytes (see
     the module docstring). Returns the number of vertices rewritten."""
-    last_reader: dict[int, int] = {}
-    for vertex in tg.vertices:  # vertex ids are program order
-        for val in vertex.inputs():
-            last_reader[val] = vertex.id
+    consumers = tg.consumers()
     pinned = set(tg.outputs.values()) | set(tg.bindings) | set(tg.bindings.values())
     rewritten = 0
     for vertex in tg.vertices:
@@ -83,18 +80,15 @@ def donate_dying_inputs(tg: TaskGraph) -> int:
         if slots is None or vertex.copy_in or vertex.random or len(produced) != 1 or len(vertex.outputs) != 1:
             continue
         result = tg.values[produced[0]]
-        refs = [a for a in vertex.args if isinstance(a, TensorRef)]
         for slot in slots:
             if slot >= len(vertex.args) or not isinstance(vertex.args[slot], TensorRef):
                 continue
             ref = vertex.args[slot]
             donor = tg.values[ref.value]
             if (donor.kind is not ValueKind.INTERMEDIATE or donor.id in pinned
-                    or last_reader.get(donor.id) != vertex.id
-                    or sum(r.value == donor.id for r in refs) != 1 or any(donor.id == r.value for r in _kw_refs(vertex))
-                    or donor.dtype != result.dtype or donor.nbytes != result.nbytes
-                    or tuple(donor.shape) != tuple(result.shape) or tuple(donor.stride) != tuple(result.stride)
-                    or ref != donor.dense_ref):
+                    or consumers[donor.id][-1] != vertex.id  # program order: this op reads it last
+                    or sum(r.value == donor.id for r in vertex.refs()) != 1  # and only through this argument
+                    or not _same_layout(donor, result) or donor.nbytes != result.nbytes or ref != donor.dense_ref):
                 continue
             variant = out_variant(vertex.op)
             if variant is None or len(variant[1]) != 1:
@@ -126,8 +120,7 @@ def read_shape_only_from_own_output(tg: TaskGraph) -> int:
         if not isinstance(ref, TensorRef) or ref.value == result.id:
             continue
         named = tg.values[ref.value]
-        if (named.dtype, tuple(named.shape), tuple(named.stride)) != (result.dtype, tuple(result.shape),
-                                                                     tuple(result.stride)) or ref != named.dense_ref:
+        if not _same_layout(named, result) or ref != named.dense_ref:
             continue
         args = list(vertex.args)
         args[slot] = result.dense_ref
@@ -136,5 +129,6 @@ def read_shape_only_from_own_output(tg: TaskGraph) -> int:
     return rewritten
 
 
-def _kw_refs(vertex) -> list[TensorRef]:
-    return [v for v in vertex.kwargs.values() if isinstance(v, TensorRef)]
+def _same_layout(a: Value, b: Value) -> bool:
+    """Whether one value's buffer can stand for the other's: dtype, shape and strides alike."""
+    return (a.dtype, tuple(a.shape), tuple(a.stride)) == (b.dtype, tuple(b.shape), tuple(b.stride))

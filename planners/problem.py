@@ -52,11 +52,12 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
             readers[val].append(p)
     step_outputs = set(tg.outputs.values())
     targets = {dst: src for src, dst in tg.bindings.items()}
-    # a value whose last reader writes its result over it (memgraph/reuse.py, in-place ops) frees
-    # its bytes to that result: BuildMemGraph counts them once, so here it ends one step earlier
-    donated = {old for p, vid in enumerate(order) for old, new in tg.vertices[vid].copy_in
-               if tg.values[old].kind in (ValueKind.INTERMEDIATE, ValueKind.BATCH) and size(old) == size(new)
-               and readers[old] and readers[old][-1] == p}
+    # (old, new) pairs where the op reading old last writes new over its bytes (in-place ops, the
+    # optimizer's updates, memgraph/reuse.py): BuildMemGraph counts those bytes once (schedule.py)
+    taken_over = {(old, new) for p, vid in enumerate(order) for old, new in tg.vertices[vid].copy_in
+                  if size(old) == size(new) and readers[old] and readers[old][-1] == p}
+    # such an intermediate or batch value ends one step earlier: its result holds the bytes from there
+    donated = {old for old, _ in taken_over if tg.values[old].kind in (ValueKind.INTERMEDIATE, ValueKind.BATCH)}
 
     # -- classify values ----------------------------------------------------------------------
     # saved_info: value -> (last use before its gap, first use after it, last use)
@@ -242,7 +243,7 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
             add(prod, end, size(vid))
 
     items = _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, size, add, max_items,
-                   host_per_vertex)
+                   taken_over, host_per_vertex)
     item_of = {v: i for i, item in enumerate(items) for v in item.values}
     base = np.cumsum(diff[:n])
 
@@ -315,7 +316,7 @@ def _item_key(tg: TaskGraph, vid: int, level: int) -> str:
     return f"{prefix}:{path}"
 
 
-def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, size, add, max_items,
+def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, size, add, max_items, taken_over,
            host_per_vertex) -> list[Item]:
     inverse = {src: dst for dst, src in targets.items()}
     level, keys = 0, None
@@ -360,9 +361,9 @@ def _items(tg, homed, targets, readers, pos, window_of, win_start, win_end, n, s
             old_last = readers[w][-1] if readers[w] else p_u
             gpu_end = max(p_u, own_last, old_last)  # copied into its home once the old value is dead
             cpu_end = max(own_last, p_u)  # written back (d2h) as soon as it is produced
-            # an update in place (copy_in, the old version read last by the update itself) writes the
-            # new version over the old one's bytes: no second buffer, on a GPU home or a reloaded copy
-            in_place = old_last == p_u and bu == b and (w, u) in tg.vertices[tg.values[u].producer].copy_in
+            # an update in place writes the new version over the old one's bytes: no second buffer,
+            # on a GPU home or a reloaded copy
+            in_place = (w, u) in taken_over
             if not in_place:
                 add(p_u, gpu_end, bu)
                 delta.append((p_u, gpu_end, -bu))
