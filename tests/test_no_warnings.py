@@ -6,6 +6,7 @@ a warning is raised on a thread outside Python (the CPU backend runs ops on work
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -23,6 +24,17 @@ LOSSES = {
 }
 
 
+@contextlib.contextmanager
+def nothing_warned(capfd):
+    """Assert that the body raises no Python warning and prints none on stderr (from C++ threads)."""
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    assert not caught, [f"{w.category.__name__}: {w.message}" for w in caught]
+    assert "Warning" not in capfd.readouterr().err
+
+
 def regression_step(loss):
     torch.manual_seed(0)
     model = mlp.MLP(depth=4, hidden=128, d_out=4)
@@ -36,16 +48,12 @@ def test_steps_and_loads_warn_nothing(name, tmp_path, capfd):
     model, loss_fn, batch = regression_step(LOSSES[name])
     mg = memgraph.compile(model, loss_fn, batch, optimizer=torch.optim.AdamW(model.parameters()), budget=0.5,
                           device="cpu", verbose=False)
-    capfd.readouterr()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with nothing_warned(capfd):
         for _ in range(2):
             engine.run(mg, batch)
         mg.save(tmp_path / "step.mg")
         loaded = memgraph.load(tmp_path / "step.mg")
         engine.run(loaded, batch)
-    assert not caught, [f"{w.category.__name__}: {w.message}" for w in caught]
-    assert "Warning" not in capfd.readouterr().err
 
 
 def test_gpt_steps_warn_nothing(capfd):
@@ -55,10 +63,6 @@ def test_gpt_steps_warn_nothing(capfd):
     batch = gpt.example_batch(cfg)
     mg = memgraph.compile(model, gpt.lm_loss, batch, optimizer=torch.optim.AdamW(model.parameters()), budget=0.5,
                           device="cpu", verbose=False)
-    capfd.readouterr()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with nothing_warned(capfd):
         for _ in range(2):
             engine.run(mg, batch)
-    assert not caught, [f"{w.category.__name__}: {w.message}" for w in caught]
-    assert "Warning" not in capfd.readouterr().err

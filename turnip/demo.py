@@ -49,25 +49,24 @@ def gpt2_init(model: GPT) -> GPT:
 def eager_steps(model: nn.Module, batches: list, lr: float) -> tuple[list[float], list[float], int | None]:
     """(losses, seconds per step, peak CUDA bytes or None) of eager PyTorch on `model`."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    cuda = next(model.parameters()).is_cuda
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    losses, seconds = [], []
-    torch.manual_seed(1)
-    for batch in batches:
-        t0 = time.perf_counter()
+
+    def step(batch) -> float:
         optimizer.zero_grad()
         loss = lm_loss(model, batch)
         loss.backward()
         optimizer.step()
-        losses.append(loss.item())
-        seconds.append(time.perf_counter() - t0)
-    return losses, seconds, torch.cuda.max_memory_allocated() if cuda else None
+        return loss.item()
+
+    return timed_steps(next(model.parameters()).is_cuda, batches, step)
 
 
 def turnip_steps(mg, batches: list) -> tuple[list[float], list[float], int | None]:
-    cuda = mg.device.startswith("cuda")
+    return timed_steps(mg.device.startswith("cuda"), batches, lambda batch: engine.run(mg, batch)["loss"].item())
+
+
+def timed_steps(cuda: bool, batches: list, step) -> tuple[list[float], list[float], int | None]:
+    """Run step(batch) -> loss for each batch from the same RNG seed: (losses, seconds per step,
+    peak CUDA bytes over the steps or None)."""
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -75,7 +74,7 @@ def turnip_steps(mg, batches: list) -> tuple[list[float], list[float], int | Non
     torch.manual_seed(1)
     for batch in batches:
         t0 = time.perf_counter()
-        losses.append(engine.run(mg, batch)["loss"].item())
+        losses.append(step(batch))
         seconds.append(time.perf_counter() - t0)
     return losses, seconds, torch.cuda.max_memory_allocated() if cuda else None
 
