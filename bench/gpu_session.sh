@@ -15,6 +15,12 @@ if ls .whl/tt/*.whl >/dev/null 2>&1; then  # torchtune needs torchao 0.15: a sit
   python3 -m pip install -q --no-index --no-deps --target /tmp/site_tt .whl/tt/*.whl
   site_args=(--site torchtune=/tmp/site_tt)
 fi
+# DeepSpeed's CPU Adam is JIT-built (90 s) on first use: the build an earlier call left in
+# $OUT/torch_ext.tgz, carried in beside this script's repo root, is reused (touched, so ninja finds it
+# newer than the freshly installed sources). One archive: a call brings back at most 8 files.
+export TORCH_EXTENSIONS_DIR=/tmp/torch_ext
+if [ -f torch_ext.tgz ]; then mkdir -p "$TORCH_EXTENSIONS_DIR" && tar -xzf torch_ext.tgz -C "$TORCH_EXTENSIONS_DIR" \
+  && find "$TORCH_EXTENSIONS_DIR" -type f -exec touch {} +; fi
 # op costs measured by an earlier run (costs-*.json) spare compile the measuring: carry them in costs/
 if [ -d costs ]; then export TURNIP_CACHE_DIR=$PWD/costs; fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "running pip as the 'root'" || true
@@ -29,3 +35,4 @@ echo "== suite"
 python3 -m turnip.bench suite --out "$OUT" --no-plots ${site_args[@]+"${site_args[@]}"} "$@" 2>&1 | tee "$OUT/suite.log" | grep -v "^INFO" | tail -40
 if [ -n "${TURNIP_CACHE_DIR:-}" ]; then cp "$TURNIP_CACHE_DIR"/costs-*.json "$OUT"/ 2>/dev/null || true
 else cp "${XDG_CACHE_HOME:-$HOME/.cache}"/turnip/costs-*.json "$OUT"/ 2>/dev/null || true; fi
+if [ -d "$TORCH_EXTENSIONS_DIR" ]; then tar -czf "$OUT"/torch_ext.tgz -C "$TORCH_EXTENSIONS_DIR" .; fi
