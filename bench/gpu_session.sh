@@ -15,9 +15,11 @@ if ls .whl/tt/*.whl >/dev/null 2>&1; then  # torchtune needs torchao 0.15: a sit
   python3 -m pip install -q --no-index --no-deps --target /tmp/site_tt .whl/tt/*.whl
   site_args=(--site torchtune=/tmp/site_tt)
 fi
-# DeepSpeed's CPU Adam is JIT-built (90 s) on first use: the build an earlier call left in
-# $OUT/torch_ext.tgz, carried in beside this script's repo root, is reused (touched, so ninja finds it
-# newer than the freshly installed sources). One archive: a call brings back at most 8 files.
+# DeepSpeed's CPU Adam is JIT-built on first use: the build an earlier call left in $OUT/torch_ext.tgz,
+# carried in beside this script's repo root, is meant to be reused (touched, so ninja finds it newer
+# than the freshly installed sources). Not confirmed yet: with it carried, llama's first DeepSpeed
+# process still spent 68 s before its first step (without: 80-90 s); the rows' init_s will tell.
+# One archive: a call brings back at most 8 files.
 export TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 if [ -f torch_ext.tgz ]; then mkdir -p "$TORCH_EXTENSIONS_DIR" && tar -xzf torch_ext.tgz -C "$TORCH_EXTENSIONS_DIR" \
   && find "$TORCH_EXTENSIONS_DIR" -type f -exec touch {} +; fi

@@ -126,7 +126,9 @@ def plot_pareto(rows: list[dict], path: str | Path, title: str = "") -> Path:
         bf16 = row.get("math") == BF16_WEIGHTS
         ax.scatter([x], [y], marker=MARKERS.get(system, "o"), s=70, edgecolors=color, linewidths=1.5,
                    facecolors="none" if bf16 else color, label=system + (" (bf16 weights)" if bf16 else ""), zorder=3)
-        ax.annotate(system, (x, y), xytext=(5, 4), textcoords="offset points", fontsize=7, color=color)
+        # peers at about the same point (checkpoint and torchtune often) get their names stacked, not overprinted
+        near = sum(1 for px, py in points if abs(px - x) < 0.6 and abs(py - y) < 25)
+        ax.annotate(system, (x, y), xytext=(5, 4 + 9 * near), textcoords="offset points", fontsize=7, color=color)
         points.append((x, y))
     turnip = sorted((r for r in rows if r.get("system") == "turnip"), key=lambda r: r.get("budget") or 0)
     line = sorted((r["peak_allocated"] / GIB, r["step_s_median"] * 1e3, r.get("budget")) for r in turnip

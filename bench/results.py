@@ -53,11 +53,13 @@ def run_metadata() -> dict:
 
 
 def load_suite_rows(folder: str | Path) -> dict[str, list[dict]]:
-    """Rows of every suite_*.json in ``folder`` by model; a later file's row replaces an earlier one's
-    for the same (system, budget), so results split over several commands merge."""
+    """Rows of every suite_*.json in ``folder`` by model; a later run's row (by the date its file
+    records, not the file's mtime, which a git checkout resets) replaces an earlier one's for the same
+    (system, budget), so results split over several commands merge. Each row says which file it came
+    from (``source``), so it can still be compared with the eager row of its own run."""
     by_model: dict[str, dict] = defaultdict(dict)
-    for file in sorted(Path(folder).glob("suite_*.json"), key=lambda p: p.stat().st_mtime):
-        doc = json.loads(file.read_text())
+    docs = [(json.loads(file.read_text()), file) for file in Path(folder).glob("suite_*.json")]
+    for doc, file in sorted(docs, key=lambda d: (str(d[0].get("date") or ""), d[1].name)):
         for row in doc.get("rows", []):
-            by_model[row["model"]][(row["system"], row.get("budget"))] = row
+            by_model[row["model"]][(row["system"], row.get("budget"))] = {**row, "source": file.name}
     return {model: list(rows.values()) for model, rows in by_model.items()}

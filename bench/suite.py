@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 KNOWN_SYSTEMS = (*PEERS, "turnip")
 # what a user picks between: eager, checkpointing, turnip and the offloading packages. torch's
 # save_on_cpu pair (offload, checkpoint_offload) is left to --systems torch: on gpt1.3b it moves
-# 19.6 GB each way at 5.6x eager's step (bench/results/h100/suite_gpt1.3b_peers.json) and its
+# 19.6 GB each way at 5.6x eager's step (bench/results/h100/older/suite_gpt1.3b_peers.json) and its
 # minute would push turnip's rows out of the one 10-minute call a model gets.
 ALL_SYSTEMS = ("eager", "turnip", "checkpoint", *CUDA_PEERS)
 DEFAULT_SYSTEMS = ALL_SYSTEMS
@@ -174,8 +174,13 @@ def annotate(rows: list[dict]) -> list[dict]:
     """Add each row's comparison with eager (``peak_fraction_of_eager``, ``max_loss_diff``) and each turnip
     row's same-memory fields (``same_memory_*``); returns the same-memory view."""
     eager = {r.get("model"): r for r in rows if r.get("system") == "eager"}
+    # merged runs (results.load_suite_rows) carry a source: a row is compared with its own run's eager,
+    # and where a later run's eager replaced that one, the comparison made in its own run stands
+    eager_of_run = {(r.get("model"), r.get("source")): r for r in rows if r.get("system") == "eager"}
     for row in rows:
-        ref = eager.get(row.get("model"))
+        ref = eager_of_run.get((row.get("model"), row.get("source")))
+        if ref is None and row.get("source") is None:
+            ref = eager.get(row.get("model"))
         if ref is None or row is ref:
             continue
         if ref.get("peak_allocated") and row.get("peak_allocated"):

@@ -133,3 +133,26 @@ def test_table_merges_split_runs_and_compares_them(rows, tmp_path, capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.split()[1:2] == ["0.60"] and "x" in x)
     assert "torchao_offload_grads" in line and "1.92x" in line
+
+
+def test_merged_runs_later_date_wins_and_rows_keep_their_own_eager(tmp_path):
+    """Split runs of one model merge by the date each file records (a git checkout resets mtimes),
+    and a row from a run with its own eager row is compared with that eager, not the other run's."""
+    from turnip.bench.results import load_suite_rows
+
+    def write(name, date, rows):
+        (tmp_path / name).write_text(json.dumps({"date": date, "rows": rows}))
+
+    # the earlier run is written last, so its mtime is the newest: the date must still decide
+    write("suite_m_b.json", "2026-11-23T15:40:00+00:00",
+          [row("eager", 181, 34.6, losses=[10.0, 8.0]), row("turnip", 600, 7.3, budget=0.21, losses=[10.0, 8.5])])
+    write("suite_m.json", "2026-11-23T15:00:00+00:00",
+          [row("eager", 179, 34.6, losses=[10.0, 9.0]), row("turnip", 999, 7.3, budget=0.21, status="timeout"),
+           row("checkpoint", 213, 24.5, losses=[10.0, 9.25], max_loss_diff=0.25)])  # as its run wrote it
+    merged = load_suite_rows(tmp_path)["m"]
+    by_key = {(r["system"], r["budget"]): r for r in merged}
+    assert by_key[("turnip", 0.21)]["status"] == "ok" and by_key[("eager", None)]["step_s_median"] == 0.181
+    annotate(merged)
+    assert by_key[("turnip", 0.21)]["max_loss_diff"] == pytest.approx(0.5)  # against its own run's eager (8.0)
+    # its run's eager (9.0) was replaced by the later run's (8.0): its own comparison stands, not 1.25
+    assert by_key[("checkpoint", None)]["max_loss_diff"] == pytest.approx(0.25)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 import torch
 from turnip.bench.peers.checkpoint import checkpoint_blocks
@@ -120,8 +121,12 @@ def run_config(system: str, workload: Workload, device, steps: int, stage: int, 
             deepspeed.init_distributed(dist_backend="nccl")
         model = workload.fresh_model("cpu")  # DeepSpeed places (and at stage 3 partitions) it
         checkpoint_blocks(model)
+        started = time.perf_counter()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                               if p.requires_grad], config=config)
+        # the first DeepSpeed process of a machine also JIT-builds CPU Adam here: the row says how long
+        result.extra["init_s"] = time.perf_counter() - started
+        log.info("%s: deepspeed.initialize took %.1f s", system, result.extra["init_s"])
         if is_cuda(device):
             result.extra["init_peak_allocated"] = int(torch.cuda.max_memory_allocated(device))
         batch = workload.batch_on(device)
