@@ -6,7 +6,11 @@ hyperparameters; Adam's bias corrections live in device step tensors) can differ
 runs as ordinary launches the first time (cuBLAS / cuDNN handles and lazily allocated buffers are
 made then, outside any capture), is captured on its second run, and is replayed from then on,
 one host call instead of one per kernel. A segment whose scalars changed since its capture (an LR
-scheduler stepping) is captured again. Temporaries that ops allocate inside a capture come from
+scheduler stepping) is captured again; one whose scalars keep changing (RECAPTURES_BEFORE_PLAIN
+times: a scheduler that steps every step) runs as ordinary launches from then on, since a capture
+costs more host time than the launches it saves once. The fused optimizer kernels read their
+learning rate as a host double; their tensor-lr form reads a float32, which would round eager's
+learning rate, so the scalars cannot move to device memory without changing the numbers. Temporaries that ops allocate inside a capture come from
 one private memory pool per stream instance, shared by the segments captured on it, which is safe
 because the work of one stream never runs at the same time; a segment launched on another instance
 of its stream class is captured again there, with that instance's pool.
@@ -27,6 +31,9 @@ from turnip.kernels.launch import scalar_names
 
 log = logging.getLogger(__name__)
 
+# captures of one segment made again because its scalars changed, before it runs as plain launches
+RECAPTURES_BEFORE_PLAIN = 2
+
 
 class SegmentGraphs:
     """The captured graph of each multi-vertex unit of the loop, with what it baked in."""
@@ -44,6 +51,8 @@ class SegmentGraphs:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # (unit, lane) -> graph, scalars
         self.runs: dict[tuple, int] = {}
         self.uncapturable: set[int] = set()
+        self.volatile: set[int] = set()  # units whose scalars change step after step: plain launches
+        self.recaptures: dict[int, int] = {}  # unit -> captures made again for changed scalars
         self.pools: dict[tuple, tuple] = {}  # lane -> private memory pool of the segments captured on it
         self.captures = 0  # how many captures were made (tests, logs)
 
@@ -57,9 +66,12 @@ class SegmentGraphs:
         if stored is not None and stored[1] == baked:
             stored[0].replay()
             return
+        if stored is not None and self._changes_again(unit):
+            launch()
+            return
         runs = self.runs.get(key, 0)
         self.runs[key] = runs + 1
-        if runs == 0 or unit in self.uncapturable:
+        if runs == 0 or unit in self.uncapturable or unit in self.volatile:
             launch()
             return
         pool = self.pools.get(lane)
@@ -77,6 +89,19 @@ class SegmentGraphs:
         self.graphs[key] = (graph, baked)
         self.captures += 1
         graph.replay()
+
+    def _changes_again(self, unit: int) -> bool:
+        """Count a capture of ``unit`` outdated by new scalars; True once the unit has become
+        volatile (its graphs dropped: it launches plainly from now on)."""
+        count = self.recaptures[unit] = self.recaptures.get(unit, 0) + 1
+        if count < RECAPTURES_BEFORE_PLAIN:
+            return False
+        self.volatile.add(unit)
+        for key in [k for k in self.graphs if k[0] == unit]:
+            del self.graphs[key]
+        log.info("segment %d: its per-step scalars (%s) changed %d times since its capture; it runs as "
+                 "ordinary launches from now on", unit, ", ".join(self.scalars[unit]), count)
+        return True
 
     def clear(self) -> None:
         self.graphs.clear()

@@ -141,3 +141,55 @@ def test_a_failing_vertex_inside_a_segment_is_named(compiled):
         engine.run(mg, batches[1], ordering="deterministic")
     assert info.value.vertex == victim
     mg.release()
+
+
+def test_a_segment_whose_scalars_keep_changing_stops_being_captured(monkeypatch):
+    """The CUDA engine's bookkeeping of captured segments, with the capture faked (no GPU needed):
+    a segment is captured on its second run and replayed while its scalars stay; new scalars (an LR
+    scheduler) capture it again once, and when they change again it runs as plain launches for
+    good. A segment without scalars is never affected."""
+    from types import SimpleNamespace
+
+    from turnip.engine import cuda_graphs
+    from turnip.ir.taskgraph import ScalarRef
+
+    replays = []
+
+    class FakeGraph:
+        def __init__(self, n):
+            self.n = n
+
+        def replay(self):
+            replays.append(self.n)
+
+    made = []
+
+    def fake_capture(launch, pool=None):
+        made.append(len(made))
+        return FakeGraph(made[-1])
+
+    monkeypatch.setattr(cuda_graphs, "captured", fake_capture)
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "graph_pool_handle", lambda: object())
+    tasks = [SimpleNamespace(args=(ScalarRef("g0.lr"),), kwargs={})] + [SimpleNamespace(args=(), kwargs={})] * 3
+    mg = SimpleNamespace(taskgraph=SimpleNamespace(vertices=tasks),
+                         vertices=[SimpleNamespace(task_vertex=k) for k in range(4)])
+    graphs = cuda_graphs.SegmentGraphs(mg, [(0, 1), (2, 3)])  # unit 0 reads lr, unit 1 reads nothing
+    launches = []
+
+    def step(lr):
+        for unit in (0, 1):
+            graphs.run(unit, ("compute", 0), {"g0.lr": lr}, lambda u=unit: launches.append(u))
+
+    step(1.0)  # first run: plain launches
+    step(1.0)  # second: captured (then replayed)
+    step(1.0)  # replayed
+    assert graphs.captures == 2 and launches == [0, 1] and not graphs.volatile
+    step(0.5)  # lr changed: unit 0 captured again
+    assert graphs.captures == 3 and not graphs.volatile
+    step(0.25)  # changed again: unit 0 launches plainly from now on
+    step(0.125)
+    assert graphs.volatile == {0} and graphs.captures == 3
+    assert launches == [0, 1, 0, 0]
+    replays.clear()
+    step(0.125)
+    assert replays == [1]  # unit 1 is still replayed, unit 0 is not
