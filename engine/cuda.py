@@ -32,8 +32,10 @@ import time
 import torch
 from turnip.engine.cuda_graphs import SegmentGraphs
 from turnip.engine.errors import EngineError
+from turnip.engine.host_memory import describe_host, host_memory
 from turnip.engine.loop import Completion, Launch
 from turnip.engine.runtime import InputBinding, OutputBinding, Runtime
+from turnip.ir.budget import format_bytes
 from turnip.ir.memgraph import MemGraph, Stream
 from turnip.kernels.launch import PreparedVertex
 from turnip.kernels.step import RngReplay, StepContext
@@ -288,6 +290,11 @@ def pinned_bytes(nbytes: int) -> torch.Tensor:
     """Exactly nbytes of page-locked host memory. torch's pinned allocator rounds a request up to
     a power of two (11 GB becomes 16 GiB); registering an ordinary buffer with cudaHostRegister
     pins only what is asked for, and copies from it run asynchronously like any pinned memory."""
+    memory = host_memory()
+    if memory is not None and nbytes > memory[1]:  # refused before the host is pushed into swap
+        raise EngineError(f"the plan pins {format_bytes(nbytes)} ({nbytes} bytes) of host memory for its CPU "
+                          f"storage, more than {describe_host(memory)}: compile it again here (compile plans "
+                          f"within the host's memory) or with a smaller cpu_budget, or free host memory")
     buf = torch.empty(nbytes, dtype=torch.uint8)
     if nbytes:
         err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)

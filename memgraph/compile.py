@@ -8,6 +8,7 @@ import sys
 import time
 
 import torch
+from turnip.engine.host_memory import describe_host, pinnable_bytes
 from turnip.engine.timing_sim import simulate
 from turnip.ir.budget import check_budget, format_bytes, parse_budget
 from turnip.ir.errors import InfeasibleBudget
@@ -24,6 +25,7 @@ from turnip.planners.driver import check_options, plan_candidates, run_plan
 from turnip.planners.measure import device_name
 
 UNBOUNDED = 1 << 62  # a budget nothing ever exceeds
+GIB = 1 << 30
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,10 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     timing simulator runs faster), "ilp", "greedy", or "none" (keep everything and let
     BuildMemGraph evict under pressure).
     cpu_budget: pinned CPU bytes the plan may use, in the same forms as budget (a fraction is of
-    the GPU's unplanned peak); None: unbounded.
+    the GPU's unplanned peak); None: on CUDA, what this host can pin (engine/host_memory.py: its
+    available memory less a reserve): a plan that pins more is planned again within that, and
+    where that cannot help (cpu_budget given, or nothing planned) compile raises InfeasibleBudget
+    (resource "cpu") before any step runs.
     alignment: byte alignment of arena places (default 256 on CUDA, 64 on the CPU).
     fused_optimizer: Adam/AdamW as one fused kernel per parameter (default on CUDA); off, the
     exact single-tensor torch.optim update (the CPU default, bitwise equal to eager).
@@ -131,6 +136,17 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                 progress.describe("planning", _planning_detail(planner, planner_options))
                 candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
                                        planner_options)
+
+        def build_and_store(candidates: list[Plan], cpu_bytes: int | None, key: str | None) -> MemGraph:
+            mg, walk = build_candidates(tg, candidates, alignment, costs, device.type)
+            if planner != "none":
+                mg.stats["plan_cache"] = "off" if key is None else "miss"
+            if key is not None:
+                store.store(key, CachedPlan(mg.plan, walk, mg.stats.get("simulated_step_s")), about={
+                    "device": str(device), "device_name": device_name(str(device)), "planner": planner,
+                    "gpu_budget": gpu_budget, "cpu_budget": cpu_bytes, "vertices": len(tg.vertices)})
+            return mg
+
         with progress.phase("building"):
             mg = build_cached(tg, hit, alignment) if hit is not None else None
             if hit is not None and mg is None:  # the cached plan did not build: plan afresh, overwrite it
@@ -141,13 +157,25 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             elif candidates is None:  # everything fits: nothing to plan
                 mg = keep_everything(tg, keep_all, gpu_budget, cpu_bytes, alignment)
             else:
-                mg, walk = build_candidates(tg, candidates, alignment, costs, device.type)
-                if planner != "none":
-                    mg.stats["plan_cache"] = "off" if key is None else "miss"
-                if key is not None:
-                    store.store(key, CachedPlan(mg.plan, walk, mg.stats.get("simulated_step_s")), about={
-                        "device": str(device), "device_name": device_name(str(device)), "planner": planner,
-                        "gpu_budget": gpu_budget, "cpu_budget": cpu_bytes, "vertices": len(tg.vertices)})
+                mg = build_and_store(candidates, cpu_bytes, key)
+            # pinned memory is page-locked: a plan that pins more than the host has is planned again
+            # within it (or refused) here, not found out when the engine pins it
+            host_cpu_bytes = within_host(mg.cpu_bytes, pinnable_bytes() if device.type == "cuda" else None,
+                                         cpu_budget, replannable=candidates is not None or hit is not None)
+            if host_cpu_bytes is not None:
+                cpu_bytes = host_cpu_bytes
+                log.warning("the plan pins %s of host memory; %s: planning again within %s",
+                            format_bytes(mg.cpu_bytes), describe_host(), format_bytes(cpu_bytes))
+                progress.describe("building", "planning again within the host's memory")
+                key = plan_key(tg, gpu_budget, cpu_bytes, device=str(device), planner=planner,
+                               options=planner_options, alignment=alignment, costs=costs) if key else None
+                try:
+                    mg = build_and_store(plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment,
+                                                   progress, planner_options), cpu_bytes, key)
+                except InfeasibleBudget as exc:
+                    raise InfeasibleBudget(f"{exc} ({describe_host()}; a larger GPU budget needs less of it)",
+                                           minimum=exc.minimum, vertex=exc.vertex, resource=exc.resource) from None
+                mg.stats["cpu_budget_source"] = "host memory"
             # engine.run follows its hyperparameters (LR schedulers); its state exports to eager
             mg.optimizer = CompiledOptimizer(mg, optimizer) if optimizer is not None else None
             mg.initial_state = dict(tg.initial_state)
@@ -161,6 +189,22 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     if report_printed(verbose):
         print(report, file=sys.stderr)
     return mg
+
+
+def within_host(needed: int, limit: int | None, cpu_budget, replannable: bool) -> int | None:
+    """None when a plan pinning ``needed`` bytes fits this host's pinnable memory ``limit`` (None:
+    unknown, or not a CUDA plan); else the CPU budget to plan again within (``limit`` in whole GiB,
+    so the plan cache finds the plan again). Raises InfeasibleBudget when planning again cannot
+    help: the user fixed cpu_budget, or nothing was planned (everything kept on the GPU)."""
+    if limit is None or needed <= limit:
+        return None
+    if cpu_budget is None and replannable and limit >= GIB:
+        return limit // GIB * GIB
+    given = "" if cpu_budget is None else f" within cpu_budget={cpu_budget!r}"
+    raise InfeasibleBudget(f"the plan needs {format_bytes(needed)} ({needed} bytes) of pinned host memory{given}, "
+                           f"more than {describe_host()}: give a smaller cpu_budget (the planner then keeps "
+                           f"or recomputes more on the GPU), a larger GPU budget, or free host memory",
+                           minimum=needed, resource="cpu")
 
 
 def report_printed(verbose: bool) -> bool:
