@@ -199,8 +199,10 @@ def signature(tg: TaskGraph, vertex: Vertex) -> str:
     own = {vid: i for i, vid in enumerate(vertex.outputs) if vid >= 0}
     outs = tuple((tuple(tg.values[o].shape), tuple(tg.values[o].stride), dtype_name(tg.values[o].dtype))
                  if o >= 0 else None for o in vertex.outputs)
+    # "over old": in-place versions are timed over their old version's buffer (measure.py), a
+    # marker so costs cached before, timed after a copy into a separate output, are measured again
     key = repr((vertex.op, _normalize(vertex.args, tg, own), _normalize(vertex.kwargs, tg, own), outs,
-                tuple(own.get(n, -1) for _, n in vertex.copy_in)))
+                tuple(own.get(n, -1) for _, n in vertex.copy_in)) + (("over old",) if vertex.copy_in else ()))
     return hashlib.sha1(key.encode()).hexdigest()
 
 

@@ -60,19 +60,31 @@ def _outputs(tg: TaskGraph, vertex: Vertex, dev: torch.device) -> list[torch.Ten
     return outs
 
 
-def measure_vertex(tg: TaskGraph, vertex: Vertex, device: str, runs: int = 7, warmup: int = 2) -> tuple[float, int]:
-    """(median seconds, workspace bytes) of running `vertex` the way the engine does: bound once
-    to preallocated inputs and outputs (PreparedVertex: the out= overload where the op has one),
-    so the workspace is what the op allocates beyond its outputs, nothing else."""
-    dev = torch.device(device)
+def prepare_for_timing(tg: TaskGraph, vertex: Vertex, dev: torch.device) -> PreparedVertex:
+    """`vertex` bound to fresh inputs and outputs on `dev`, as the engine binds it to arena places.
+    An in-place version takes its old version's place (the builder puts it there: buffer donation,
+    the optimizer's updates in their homes), so it is bound over one buffer: the kernel is timed
+    as the engine runs it, not after a copy of the old version into a separate output."""
     env = _inputs(tg, vertex, dev)
     outs = _outputs(tg, vertex, dev)
-    scalars = _Scalars(tg.optimizer.scalars(1) if tg.optimizer is not None else {})
+    own = {vid: i for i, vid in enumerate(vertex.outputs) if vid >= 0}
+    for old, new in vertex.copy_in:
+        if env[old].shape == outs[own[new]].shape and env[old].stride() == outs[own[new]].stride():
+            outs[own[new]] = env[old]
 
     def resolve(ref: TensorRef) -> torch.Tensor:
         return ref_view(env[ref.value], ref)
 
-    prepared = PreparedVertex(vertex, resolve, outs)
+    return PreparedVertex(vertex, resolve, outs)
+
+
+def measure_vertex(tg: TaskGraph, vertex: Vertex, device: str, runs: int = 7, warmup: int = 2) -> tuple[float, int]:
+    """(median seconds, workspace bytes) of running `vertex` the way the engine does: bound once
+    to preallocated inputs and outputs (prepare_for_timing; PreparedVertex: the out= overload
+    where the op has one), so the workspace is what the op allocates beyond its outputs."""
+    dev = torch.device(device)
+    prepared = prepare_for_timing(tg, vertex, dev)
+    scalars = _Scalars(tg.optimizer.scalars(1) if tg.optimizer is not None else {})
 
     def once():
         prepared(scalars, None, dev)

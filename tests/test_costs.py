@@ -225,3 +225,17 @@ def test_convolution_flops():
     per_output = 2 * 3 * 3 * 3  # C_in * kh * kw multiply-adds
     assert analytic_time(tg, fwd, spec) == pytest.approx(per_output * 4 * 8 * 4 * 4 / 50e12)
     assert analytic_time(tg, bwd, spec) == pytest.approx(2 * per_output * 4 * 8 * 4 * 4 / 50e12)
+
+
+def test_in_place_versions_are_timed_over_their_old_buffer(gpt_step):
+    """The engine runs an in-place version (a donated buffer, an optimizer update in its home) where
+    its old version lies; timing binds it the same way, with no copy of the old version first."""
+    tg = gpt_step
+    in_place = [v for v in tg.vertices if v.copy_in]
+    assert any(v.phase == "optimizer" for v in in_place) and any(v.phase != "optimizer" for v in in_place)
+    for vertex in in_place:
+        prepared = measure_mod.prepare_for_timing(tg, vertex, torch.device("cpu"))
+        assert prepared.copies == [], vertex.op
+    # the signature marks the change, so costs cached when they were timed after a copy are retimed
+    assert signature(tg, in_place[0]) != signature(
+        tg, type(in_place[0])(**{**in_place[0].__dict__, "copy_in": ()}))
