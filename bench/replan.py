@@ -1,0 +1,183 @@
+"""Planner research without the GPU: export a model's traced step once on the GPU machine, then plan
+and simulate it anywhere.
+
+    # on the GPU machine (a minute per model): the step with its measured op costs, and eager's peak
+    python -m turnip.bench.replan export --models gpt350m,gpt1.3b,llama --out bench/results/h100/steps
+    # anywhere, any number of times: every candidate compile would build, planned and simulated
+    python -m turnip.bench.replan plan --step bench/results/h100/steps/step_gpt350m.step --budgets 0.6,0.5 \\
+        [--planner-option reload_room=true]
+
+``export`` writes ``step_<model>.step`` (ir/step_file.py: the TaskGraph with each vertex's time and
+workspace as the GPU measured them, no weights) and ``step_<model>.json`` (the device, the measured
+link bandwidths, eager's measured peak and step). ``plan`` builds what ``memgraph.compile`` builds on
+CUDA with planner "auto" (every plan of planners.driver.plan_candidates, both walks of the builder)
+and prints, per candidate, the planner's own prediction, the timing simulator's step time (the
+figure compile picks by; within 1-9% of the H100's measured steps in bench/results/h100), bytes
+moved each way and values recomputed; it writes the rows to ``replan_<model>.json``. The
+prediction is the simulator's, not a measurement: a plan it favours is worth a GPU run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from turnip.bench.models.sizes import make_workload
+from turnip.bench.peers.common import Workload
+from turnip.bench.peers.isolated import resolve
+from turnip.bench.results import result_path, run_metadata
+from turnip.engine.timing_sim import simulate, transfer_bytes
+from turnip.ir.budget import format_bytes, parse_budget
+from turnip.ir.plan import Plan
+from turnip.ir.step_file import load_step, save_step
+from turnip.memgraph.build import build, build_walks
+from turnip.memgraph.compile import UNBOUNDED, unplanned_peak
+from turnip.memgraph.trace import trace
+from turnip.planners.costs import CostModel, DeviceSpec, default_costs
+from turnip.planners.driver import plan_candidates
+from turnip.planners.measure import device_name
+
+log = logging.getLogger(__name__)
+
+ALIGNMENT = 256  # compile's arena alignment on CUDA
+
+
+def export(workload: Workload, device: str, out: Path, eager: bool = True) -> Path:
+    """Trace ``workload`` for ``device``, measure its op costs there, write the step and its facts."""
+    started = time.perf_counter()
+    model = workload.model
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    tg = trace(model, workload.loss_fn, workload.batch_on(device), optimizer=workload.optimizer(trainable),
+               device=device)
+    costs = default_costs(tg)
+    costs.annotate(tg)
+    stem = f"step_{workload.name}"
+    save_step(tg, out / f"{stem}.step")
+    facts = {"model": workload.name, "device": device, "device_name": device_name(device),
+             "h2d_bandwidth": costs.h2d_bandwidth, "d2h_bandwidth": costs.d2h_bandwidth,
+             "host_per_vertex": costs.host_per_vertex_on(device), "vertices": len(tg.vertices),
+             "export_seconds": None, **run_metadata()}
+    if eager:  # the suite's budgets are fractions of eager's measured peak: keep it beside the step
+        result = resolve("eager")(workload, device, 3, warmup=1)
+        facts.update(eager_status=result.status, eager_peak_allocated=result.peak_allocated,
+                     eager_step_s=result.stats().get("step_s_median") if result.status == "ok" else None)
+    facts["export_seconds"] = time.perf_counter() - started
+    (out / f"{stem}.json").write_text(json.dumps(facts, indent=1))
+    log.info("%s: %d vertices exported to %s in %.1fs", workload.name, len(tg.vertices), out / f"{stem}.step",
+             facts["export_seconds"])
+    return out / f"{stem}.step"
+
+
+def offline_costs(facts: dict) -> CostModel:
+    """A cost model that measures nothing: the op times are in the step, the link and host rates
+    are the exporting machine's."""
+    spec = DeviceSpec(name=facts.get("device_name", "exported"), h2d=facts["h2d_bandwidth"],
+                      d2h=facts["d2h_bandwidth"], host_per_vertex=facts["host_per_vertex"])
+    return CostModel(device="cuda", spec=spec, measure=False)
+
+
+def replan(step: Path, budgets: list[str], options: dict) -> list[dict]:
+    """One row per candidate MemGraph per budget (see the module docstring)."""
+    tg = load_step(step)
+    facts = json.loads(step.with_suffix(".json").read_text())
+    costs = offline_costs(facts)
+    costs.annotate(tg)  # only vertices without a time (none in an exported step) are estimated
+    keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=ALIGNMENT, compact=True)
+    peak = unplanned_peak(keep_all)
+    eager_peak = facts.get("eager_peak_allocated")
+    rows = []
+    for text in budgets:
+        budget = _budget(text, eager_peak, peak)
+        started = time.perf_counter()
+        plans = plan_candidates(tg, budget, None, costs=costs, alignment=ALIGNMENT, **options)
+        plan_s = time.perf_counter() - started
+        for k, plan in enumerate(plans):
+            for walk, mg in zip(("ahead", "compact"), build_walks(tg, plan, alignment=ALIGNMENT), strict=False):
+                sim = simulate(mg, costs, backend="cuda")
+                moved_in, moved_out = transfer_bytes(mg)
+                summary = mg.summary()
+                rows.append({"model": facts.get("model"), "budget": text, "budget_bytes": budget,
+                             "unplanned_peak": peak, "eager_peak_allocated": eager_peak,
+                             "eager_step_s": facts.get("eager_step_s"), "candidate": f"{plan.planner}#{k}/{walk}",
+                             "planner_predicted_s": plan.predicted_time, "simulated_s": sim.step_time,
+                             "sim_compute_idle_s": sim.compute_idle, "bytes_h2d": moved_in, "bytes_d2h": moved_out,
+                             "recomputed": sum(1 for v in mg.taskgraph.vertices if v.recompute_of >= 0),
+                             "arena_bytes": mg.arena_bytes, "cpu_bytes": mg.cpu_bytes,
+                             "vertices": summary["vertices"], "plan_seconds": plan_s, "options": options})
+        best = min((r for r in rows if r["budget"] == text), key=lambda r: r["simulated_s"])
+        best["picked"] = True  # what compile would take
+    return rows
+
+
+def _budget(text: str, eager_peak: int | None, peak: int) -> int:
+    """A fraction of eager's measured peak (as the suite's budgets), or a size ("7.5GiB")."""
+    try:
+        fraction = float(text)
+    except ValueError:
+        return parse_budget(text, peak)
+    return int(fraction * eager_peak) if eager_peak else parse_budget(fraction, peak)
+
+
+def format_rows(rows: list[dict]) -> str:
+    eager = next((r["eager_step_s"] for r in rows if r.get("eager_step_s")), None)
+    lines = [(f"{'budget':>8} {'candidate':<18} {'planner ms':>10} {'sim ms':>8} {'vs eager':>8} {'in':>10} "
+              f"{'out':>10} {'recomputed':>10}  picked")]
+    for r in rows:
+        ratio = f"{r['simulated_s'] / eager:.2f}x" if eager else "-"
+        planned = f"{r['planner_predicted_s'] * 1e3:.1f}" if r["planner_predicted_s"] else "-"
+        lines.append(f"{r['budget']:>8} {r['candidate']:<18} {planned:>10} {r['simulated_s'] * 1e3:>8.1f} {ratio:>8} "
+                     f"{format_bytes(r['bytes_h2d'], compact=True):>10} {format_bytes(r['bytes_d2h'], compact=True):>10} "
+                     f"{r['recomputed']:>10}  {'*' if r.get('picked') else ''}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m turnip.bench.replan", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="trace and measure on this machine's GPU; write step files")
+    ex.add_argument("--models", default="gpt350m", help="comma-separated bench models")
+    ex.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ex.add_argument("--out", default=None, help="folder (default bench/results/steps)")
+    ex.add_argument("--no-eager", action="store_true", help="skip measuring eager's peak (budgets then are "
+                    "fractions of the unplanned peak)")
+    pl = sub.add_parser("plan", help="plan and simulate an exported step at some budgets")
+    pl.add_argument("--step", required=True, help="a step_<model>.step file (its .json beside it)")
+    pl.add_argument("--budgets", default="0.6,0.5", help="fractions of eager's measured peak, or sizes")
+    pl.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a planner option (value read as JSON), e.g. time_limit=10; repeatable")
+    pl.add_argument("--out", default=None, help="folder for replan_<model>.json (default: the step's)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    if args.command == "export":
+        out = Path(args.out) if args.out else result_path("x").parent / "steps"
+        out.mkdir(parents=True, exist_ok=True)
+        for name in [m for m in args.models.split(",") if m]:
+            export(make_workload(name), args.device, out, eager=not args.no_eager)
+        return 0
+    options = {}
+    for item in args.planner_option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--planner-option takes KEY=VALUE, not {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    step = Path(args.step)
+    rows = replan(step, [b for b in args.budgets.split(",") if b], options)
+    out = Path(args.out) if args.out else step.parent
+    path = out / f"replan_{rows[0]['model'] if rows else step.stem}.json"
+    path.write_text(json.dumps({"benchmark": "replan", "step": str(step), **run_metadata(), "rows": rows}, indent=1))
+    print(format_rows(rows))
+    print(f"rows in {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Planner research without the GPU (bench/replan.py, ir/step_file.py): a traced step saved without
+its weights but with its op costs plans and simulates anywhere, as compile would on the GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from turnip.bench import replan
+from turnip.bench.models.sizes import make_workload
+from turnip.ir.plan import Plan
+from turnip.ir.step_file import load_step, save_step
+from turnip.memgraph.build import build
+from turnip.memgraph.compile import UNBOUNDED, unplanned_peak
+
+from turnip import memgraph
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("steps")
+    return replan.export(make_workload("gpt350m", tiny=True), "cpu", out)
+
+
+def test_a_step_file_keeps_costs_and_structure_but_no_weights(exported):
+    tg = load_step(exported)
+    assert tg.initial_state == {} and all(v.time > 0 for v in tg.vertices)
+    facts = json.loads(exported.with_suffix(".json").read_text())
+    assert facts["vertices"] == len(tg.vertices) and facts["eager_status"] == "ok"
+    assert exported.stat().st_size < 200_000  # the tiny model's weights alone would be larger
+    peak = unplanned_peak(build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=256, compact=True))
+    assert peak > 0
+
+
+def test_a_step_file_round_trips_and_refuses_other_files(tmp_path, exported):
+    tg = load_step(exported)
+    again = tmp_path / "again.step"
+    save_step(tg, again)
+    tg2 = load_step(again)
+    assert [(v.op, v.time, v.outputs) for v in tg2.vertices] == [(v.op, v.time, v.outputs) for v in tg.vertices]
+    mg = memgraph.compile(*_tiny_parts(), device="cpu", verbose=False, cache=False)
+    mg_file = tmp_path / "step.mg"
+    mg.save(mg_file)
+    with pytest.raises(ValueError, match="not a traced step"):
+        load_step(mg_file)
+
+
+def _tiny_parts():
+    w = make_workload("gpt350m", tiny=True)
+    return w.model, w.loss_fn, w.batch
+
+
+def test_replan_rows_pick_the_fastest_simulated_candidate_per_budget(exported, tmp_path):
+    rows = replan.replan(exported, ["0.6", "0.4"], {})
+    assert {r["budget"] for r in rows} == {"0.6", "0.4"}
+    for budget in ("0.6", "0.4"):
+        mine = [r for r in rows if r["budget"] == budget]
+        picked = [r for r in mine if r.get("picked")]
+        assert len(picked) == 1 and picked[0]["simulated_s"] == min(r["simulated_s"] for r in mine)
+        assert all(r["arena_bytes"] <= r["budget_bytes"] for r in mine)
+    assert max(r["bytes_h2d"] for r in rows if r["budget"] == "0.4") > 0  # 40% needs transfers
+    text = replan.format_rows(rows)
+    assert text.count("*") == 2
+
+
+def test_the_command_writes_json(exported, tmp_path, capsys):
+    assert replan.main(["plan", "--step", str(exported), "--budgets", "0.5", "--out", str(tmp_path),
+                        "--planner-option", "time_limit=2"]) == 0
+    doc = json.loads((tmp_path / "replan_gpt350m-tiny.json").read_text())
+    assert doc["benchmark"] == "replan" and doc["rows"][0]["options"] == {"time_limit": 2}
+    assert "picked" in capsys.readouterr().out
