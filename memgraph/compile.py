@@ -42,7 +42,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             planner: str = "auto", cpu_budget: int | str | None = None, alignment: int | None = None,
             fused_optimizer: bool | None = None, max_grad_norm: float | None = None, norm_type: float = 2.0,
             accumulation_steps: int = 1, verbose: bool = True, cache: bool | str | os.PathLike = True,
-            **planner_options) -> MemGraph:
+            backward: bool = True, **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
 
     budget: how much GPU memory the step may use (ir/budget.py):
@@ -74,6 +74,12 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     (k,)) and out["loss"] (their sum l1 + ... + lk, added in order: the loss whose gradient the
     update applies; with the usual loss / k inside loss_fn, the mean loss). loss_fn is not
     changed. Memory is planned over the whole step, one micro-batch's activations at a time.
+    backward: False compiles the forward alone (inference, long-sequence prefill): loss_fn is
+    then any ``fn(model, batch)`` returning the outputs to keep, a tensor (engine.run's
+    out["output"]), a tuple or list of tensors (out["output:0"], out["output:1"], ...) or a dict of
+    str -> tensor (out["output:<key>"]); the weights are read-only (streamed from pinned memory when
+    the budget needs it), nothing is differentiated or updated, and optimizer, max_grad_norm and
+    accumulation_steps are refused. The outputs come back in pinned host memory on CUDA.
     verbose: True (default) shows a progress bar over the phases "tracing", "measuring op
     costs", "planning" and "building", and prints the compile report (budget, unplanned peak,
     arena, tensors kept / offloaded / recomputed, bytes moved per step, predicted step time or
@@ -109,7 +115,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
         with progress.phase("tracing"):
             tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device,
                        fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type,
-                       accumulation_steps=accumulation_steps)
+                       accumulation_steps=accumulation_steps, backward=backward)
         costs = planner_options.pop("costs", None)
         if planner != "none":  # op times and workspace first: the unplanned peak includes workspace
             with progress.phase("measuring op costs"):

@@ -321,14 +321,14 @@ class _GraphReader:
         self.tg.add_vertex(name, args, kwargs, outputs, module=module, phase=phase, random=is_random(op),
                            copy_in=tuple(copy_in))
 
-    def dense_value(self, ref: TensorRef, module: str = "") -> int:
+    def dense_value(self, ref: TensorRef, module: str = "", phase: str = "backward") -> int:
         """A value id holding exactly `ref` (cloned into its own value when it is a view)."""
         if ref == self.tg.values[ref.value].dense_ref:
             return ref.value
         src = self.tg.values[ref.value]
         meta = torch.empty_strided(ref.size, ref.stride, dtype=src.dtype, device="meta").clone()
         vid = self.tg.add_value(meta.shape, meta.stride(), src.dtype, meta.untyped_storage().nbytes())
-        self.tg.add_vertex("aten::clone", (ref,), {}, (vid,), module=module, phase="backward")
+        self.tg.add_vertex("aten::clone", (ref,), {}, (vid,), module=module, phase=phase)
         return vid
 
 
@@ -352,8 +352,14 @@ def target_device(device) -> torch.device:
 
 def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
           device: str | torch.device | None = None, fused_optimizer: bool | None = None,
-          max_grad_norm: float | None = None, norm_type: float = 2.0, accumulation_steps: int = 1) -> TaskGraph:
+          max_grad_norm: float | None = None, norm_type: float = 2.0, accumulation_steps: int = 1,
+          backward: bool = True) -> TaskGraph:
     """Trace forward, loss, backward and the optimizer update of one training step.
+
+    backward=False traces the forward alone (inference, prefill): ``loss_fn(model, batch)`` is then
+    any function returning the outputs to keep, a tensor (step output "output"), a tuple or list of
+    tensors ("output:0", "output:1", ...) or a dict of str -> tensor ("output:<key>"); no gradient,
+    no update, every parameter read-only. It takes no optimizer, clipping or accumulation.
 
     accumulation_steps: k > 1 traces eager's gradient accumulation (memgraph/accumulate.py): k
     forward and backward passes, one per micro-batch like example_batch, each backward adding
@@ -371,6 +377,8 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     implementation op for op, bitwise equal to eager (the CPU default).
     """
     steps = check_steps(accumulation_steps)
+    if not backward:
+        _check_forward_only(optimizer, max_grad_norm, steps)
     _refuse_checkpointing(model)
     params = dict(model.named_parameters())
     if device is None:
@@ -396,7 +404,8 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
                 group_of[id(p)] = gi
         name_of = {id(p): n for n, p in params.items()}
         spec.params = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-    trainable = {n: p for n, p in params.items() if p.requires_grad and (optimizer is None or id(p) in group_of)}
+    trainable = {n: p for n, p in params.items() if backward and p.requires_grad
+                 and (optimizer is None or id(p) in group_of)}
     frozen = {n: p for n, p in params.items() if n not in trainable}
     buffers = dict(model.named_buffers())
     # the batch loss_fn sees has the example's own structure; the step's inputs follow the normalized
@@ -432,6 +441,16 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
                                          f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
             marks["forward"].append((start, _ModuleTracker.node_count()))
             return loss
+
+        if not backward:
+            slot = dict(zip(batch_tensors, batch_fakes, strict=True))
+            batch = pytree.tree_unflatten([slot.get(j, x) for j, x in enumerate(leaves)], batch_spec)
+            start = _ModuleTracker.node_count()
+            with torch.no_grad(), _reparametrize_module(model, mapping, tie_weights=True), modules:
+                named = forward_outputs(loss_fn(model, batch))
+            marks["forward"].append((start, _ModuleTracker.node_count()))
+            marks["outputs"] = [name for name, _ in named]
+            return [t for _, t in named]
 
         per_micro = []  # accumulating: the k losses, an output beside their sum
         if steps == 1:
@@ -507,6 +526,12 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
         elif node.op == "output":
             out_node = node
     reader.bind_module_state()
+    if not backward:
+        for name, node in zip(marks["outputs"], out_node.args[0], strict=True):
+            tg.outputs[name] = reader.dense_value(reader.template(node), phase="forward")
+        tg.validate()
+        log.info("traced %d vertices, %d values (forward only)", len(tg.vertices), len(tg.values))
+        return tg
     loss_node, *grad_nodes = out_node.args[0]
     tg.outputs["loss"] = reader.dense_value(reader.template(loss_node))
     if steps > 1:
@@ -526,6 +551,36 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     tg.validate()
     log.info("traced %d vertices, %d values", len(tg.vertices), len(tg.values))
     return tg
+
+
+def _check_forward_only(optimizer, max_grad_norm, steps: int) -> None:
+    given = [what for what, on in (("optimizer", optimizer is not None), ("max_grad_norm", max_grad_norm is not None),
+                                   ("accumulation_steps > 1", steps > 1)) if on]
+    if given:
+        raise UnsupportedFeature(f"backward=False traces the forward alone, with no gradients and no update: "
+                                 f"it takes no {', '.join(given)}")
+
+
+def forward_outputs(result) -> list[tuple[str, torch.Tensor]]:
+    """The named outputs of a forward-only step (trace's backward=False) from what fn returned."""
+    if isinstance(result, torch.Tensor):
+        named = [("output", result)]
+    elif isinstance(result, (tuple, list)):
+        named = [(f"output:{i}", t) for i, t in enumerate(result)]
+    elif isinstance(result, dict):
+        named = [(f"output:{k}", t) for k, t in result.items()]
+        if any(not isinstance(k, str) for k in result):
+            raise UnsupportedFeature("a forward-only fn returning a dict must key it by strings")
+    else:
+        raise UnsupportedFeature(f"a forward-only fn must return a tensor, a tuple or list of tensors or a dict "
+                                 f"of str -> tensor, not {type(result).__name__}")
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedFeature(f"forward-only output {name!r} is a {type(t).__name__}, not a tensor "
+                                     f"(return tensors only: a KV cache as a tuple of its key and value tensors)")
+    if not named:
+        raise UnsupportedFeature("a forward-only fn returned no tensors: return the outputs to keep")
+    return named
 
 
 def _step_counter(tg: TaskGraph, spec) -> TensorRef:

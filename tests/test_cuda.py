@@ -152,3 +152,26 @@ def test_cuda_graph_segments_equal_plain_launches_under_a_scheduler():
     assert_same_state(state, want_state)
     mg.release()
     plain.release()
+
+
+def test_forward_only_step_matches_eager_under_a_budget():
+    """compile(..., backward=False) on CUDA: the outputs (returned in pinned host memory) are eager's
+    no_grad forward within float tolerance at a budget that streams weights."""
+    model, _loss, batches = make_case("gpt", device="cuda")
+    model.eval()
+
+    def last(m, batch):
+        return m(batch[0])[:, -1]
+
+    full = memgraph.compile(model, last, batches[0], device="cuda", backward=False)
+    reserve = full.taskgraph.runtime_reserve
+    budget = reserve + int(0.4 * (full.stats["unplanned_peak"] - reserve))
+    mg = memgraph.compile(model, last, batches[0], budget=budget, device="cuda", backward=False)
+    assert memgraph.verify(mg) == []
+    for batch in batches:
+        out = engine.run(mg, batch)["output"]
+        with torch.no_grad():
+            want = last(model, batch)
+        assert out.device.type == "cpu"
+        torch.testing.assert_close(out, want.cpu(), **CUDA_TOL)
+    mg.release()
