@@ -116,3 +116,16 @@ def test_a_hanging_child_is_killed_at_its_limit_with_what_it_started(fake_site, 
         while not gone(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert gone(pid)
+
+
+def test_turnip_rows_say_the_plans_mix(tmp_path):
+    """A turnip row says what its plan does with the step's tensors (kept / offloaded / recomputed /
+    homed on the CPU) and whether its unplanned peak stays within eager's measured one."""
+    cfg = SuiteConfig(models=["gpt350m"], budgets=[0.4], steps=1, warmup=1, systems=["eager", "turnip"],
+                      tiny=True, device="cpu", out=tmp_path, isolate="none", plots=False)
+    row = next(r for r in run_suite(cfg) if r["system"] == "turnip")
+    assert row["status"] == "ok", row.get("error")
+    mix = row["plan_mix"]
+    assert mix["kept"] + mix["offloaded"] + mix["recomputed"] + mix["homed_on_cpu"] <= mix["values"]
+    assert mix["kept"] > 0 and mix["offloaded"] + mix["recomputed"] + mix["homed_on_cpu"] > 0  # 40% moves something
+    assert "unplanned_peak_within_eager" not in row  # the CPU backend measures no eager peak to compare with

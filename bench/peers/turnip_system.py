@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from turnip.bench.peers.common import (
@@ -25,6 +26,7 @@ from turnip.bench.peers.common import (
 )
 from turnip.engine.timing_sim import simulate, step_floor, transfer_bytes
 from turnip.ir.memgraph import Kind
+from turnip.memgraph.report import plan_mix
 from turnip.planners.costs import CostModel
 
 from turnip import engine, memgraph
@@ -112,7 +114,11 @@ def run(workload: Workload, device, steps: int, budget: float, eager_peak: int |
             arena_bytes=mg.arena_bytes, cpu_bytes=mg.cpu_bytes, vertices=summary["vertices"],
             planned_bytes_offloaded=summary["bytes_offloaded"], planned_bytes_reloaded=summary["bytes_reloaded"],
             planner=summary["planner"], predicted_time_s=summary["predicted_time"],
-            unplanned_peak=mg.stats.get("unplanned_peak"))
+            unplanned_peak=mg.stats.get("unplanned_peak"),
+            # the plan's mix: tensors kept / offloaded / recomputed, weights and states homed on the CPU
+            plan_mix=asdict(plan_mix(mg)))
+        if eager_peak and mg.stats.get("unplanned_peak"):
+            result.extra["unplanned_peak_within_eager"] = mg.stats["unplanned_peak"] <= eager_peak
         if result.extra["budget_bytes"] is None:
             result.extra["budget_bytes"] = int(mg.plan.gpu_budget)
         log.info("turnip @ %s: compiled in %.1fs, arena %.1f MiB, %d vertices", budget, result.extra["compile_s"],
