@@ -21,7 +21,7 @@ from turnip.memgraph.report import compile_report
 from turnip.memgraph.trace import target_device, trace
 from turnip.planners.cache import CachedPlan, PlanCache, plan_key
 from turnip.planners.costs import default_costs
-from turnip.planners.driver import check_options, plan_candidates, run_plan
+from turnip.planners.driver import check_options, plan_candidates, run_plan, step_floor
 from turnip.planners.measure import device_name
 
 UNBOUNDED = 1 << 62  # a budget nothing ever exceeds
@@ -42,7 +42,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             planner: str = "auto", cpu_budget: int | str | None = None, alignment: int | None = None,
             fused_optimizer: bool | None = None, max_grad_norm: float | None = None, norm_type: float = 2.0,
             accumulation_steps: int = 1, verbose: bool = True, cache: bool | str | os.PathLike = True,
-            backward: bool = True, **planner_options) -> MemGraph:
+            backward: bool = True, split: str | int = "auto", **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
 
     budget: how much GPU memory the step may use (ir/budget.py):
@@ -80,6 +80,15 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     str -> tensor (out["output:<key>"]); the weights are read-only (streamed from pinned memory when
     the budget needs it), nothing is differentiated or updated, and optimizer, max_grad_norm and
     accumulation_steps are refused. The outputs come back in pinned host memory on CUDA.
+    split: "auto" (default), "off" or an int k >= 2: the loss head of a language model (its LM
+    head matmul, log-softmax, NLL loss and their backward) runs as k blocks of rows
+    (memgraph/split.py), so no op holds all the logits and budgets below the unsplit step's
+    smallest run. The loss sum, the total weight and the head's weight gradient then add block by
+    block, in another order than eager's kernels: the step equals eager within float tolerance,
+    not bitwise (tests/test_split.py). "auto" splits only a step the budget could not run
+    otherwise (below its smallest budget), into the fewest blocks (2, 4, ..., 64) that fit, so a
+    step that fits stays eager's bit for bit; mg.stats["loss_blocks"] says what was chosen. A step
+    with no recognizable loss head is compiled unsplit.
     verbose: True (default) shows a progress bar over the phases "tracing", "measuring op
     costs", "planning" and "building", and prints the compile report (budget, unplanned peak,
     arena, tensors kept / offloaded / recomputed, bytes moved per step, predicted step time or
@@ -115,7 +124,13 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
         with progress.phase("tracing"):
             tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device,
                        fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type,
-                       accumulation_steps=accumulation_steps, backward=backward)
+                       accumulation_steps=accumulation_steps, backward=backward,
+                       loss_blocks=split_blocks(split))
+
+        def traced_in_blocks(k: int):
+            return trace(model, loss_fn, example_batch, optimizer=optimizer, device=device,
+                         fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type,
+                         accumulation_steps=accumulation_steps, backward=backward, loss_blocks=k)
         costs = planner_options.pop("costs", None)
         if planner != "none":  # op times and workspace first: the unplanned peak includes workspace
             with progress.phase("measuring op costs"):
@@ -131,6 +146,9 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             cpu_bytes = parse_budget(cpu_budget, peak, what="cpu_budget") if cpu_budget is not None else None
             log.debug("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
                       time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
+            loss_blocks = split_blocks(split)
+            if split == "auto" and planner != "none" and gpu_budget < step_floor(tg, alignment):
+                tg, loss_blocks = split_to_fit(tg, gpu_budget, alignment, traced_in_blocks, costs, progress)
             candidates, key, hit = None, None, None
             if gpu_budget < peak and planner != "none" and store is not None:
                 key = plan_key(tg, gpu_budget, cpu_bytes, device=str(device), planner=planner,
@@ -188,6 +206,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             mg.names = dict(tg.state_names)
             mg.device = str(device)
             mg.stats["unplanned_peak"] = peak
+            mg.stats["loss_blocks"] = loss_blocks or 1
             mg.stats["compile_seconds"] = time.perf_counter() - started
             record_prediction(mg, costs, device)
     report = compile_report(mg)
@@ -195,6 +214,44 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     if report_printed(verbose):
         print(report, file=sys.stderr)
     return mg
+
+
+def split_blocks(split) -> int | None:
+    """compile's split= as trace's loss_blocks: None for "off" and "auto" (which traces unsplit
+    first), else the number of row blocks."""
+    if split in ("off", "auto"):
+        return None
+    if isinstance(split, bool) or not isinstance(split, int) or split < 2:
+        raise ValueError(f"split must be \"auto\", \"off\" or an int >= 2 (row blocks of the loss head), "
+                         f"not {split!r}")
+    return split
+
+
+MAX_LOSS_BLOCKS = 64
+
+
+def split_to_fit(tg, gpu_budget: int, alignment: int, traced_in_blocks, costs, progress) -> tuple:
+    """(graph, blocks): the step traced with its loss head in the fewest blocks (2, 4, ...,
+    MAX_LOSS_BLOCKS) whose smallest budget fits ``gpu_budget``, or the most blocks tried when none
+    does (planning then says how small it can go); ``tg`` itself when it has no loss head."""
+    best, blocks = tg, None
+    k = 2
+    while k <= MAX_LOSS_BLOCKS:
+        progress.describe("planning", f"splitting the loss head into {k} row blocks")
+        candidate = traced_in_blocks(k)
+        if len(candidate.vertices) == len(tg.vertices):  # no loss head found: splitting cannot help
+            break
+        if costs is not None:
+            costs.annotate(candidate)
+        best, blocks = candidate, k
+        if gpu_budget >= step_floor(candidate, alignment):
+            break
+        k *= 2
+    if blocks:
+        log.info("the budget %s is below the unsplit step's smallest (%s): its loss head runs in %d row blocks "
+                 "(smallest budget now %s)", format_bytes(gpu_budget), format_bytes(step_floor(tg, alignment)),
+                 blocks, format_bytes(step_floor(best, alignment)))
+    return best, blocks
 
 
 def within_host(needed: int, limit: int | None, cpu_budget, replannable: bool) -> int | None:

@@ -41,6 +41,7 @@ from turnip.memgraph.accumulate import accumulate, check_steps, loss_outputs, mi
 from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
 from turnip.memgraph.optim import UpdateEmitter, initial_states, spec_from_optimizer
 from turnip.memgraph.reuse import donate_dying_inputs
+from turnip.memgraph.split import split_loss_head
 
 log = logging.getLogger(__name__)
 
@@ -353,8 +354,11 @@ def target_device(device) -> torch.device:
 def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
           device: str | torch.device | None = None, fused_optimizer: bool | None = None,
           max_grad_norm: float | None = None, norm_type: float = 2.0, accumulation_steps: int = 1,
-          backward: bool = True) -> TaskGraph:
+          backward: bool = True, loss_blocks: int | None = None) -> TaskGraph:
     """Trace forward, loss, backward and the optimizer update of one training step.
+
+    loss_blocks: k >= 2 splits the loss head (LM head matmul, log-softmax, NLL loss and their backward)
+    into k blocks of rows (memgraph/split.py): equal to eager within float tolerance, not bitwise.
 
     backward=False traces the forward alone (inference, prefill): ``loss_fn(model, batch)`` is then
     any function returning the outputs to keep, a tensor (step output "output"), a tuple or list of
@@ -547,6 +551,8 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     else:
         _append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid,
                           fused=device.type == "cuda" if fused_optimizer is None else fused_optimizer)
+    if loss_blocks is not None and loss_blocks >= 2:
+        tg = split_loss_head(tg, loss_blocks)
     donate_dying_inputs(tg)
     tg.validate()
     log.info("traced %d vertices, %d values", len(tg.vertices), len(tg.values))

@@ -216,11 +216,16 @@ def _finish(problem: Problem, dec: Decisions, ev: Evaluation, planner: str, stat
 
 
 def builder_floor(problem: Problem) -> int:
+    """The smallest GPU budget any plan of ``problem`` can run in (step_floor)."""
+    return step_floor(problem.tg, problem.alignment)
+
+
+def step_floor(tg: TaskGraph, alignment: int) -> int:
     """The smallest GPU budget any plan can run in: every weight homed on the CPU, the largest
     single step's inputs and outputs in the arena, plus the largest workspace (BuildMemGraph
     builds every budget from there up when pinned storage is unbounded). An in-place update's
     new version takes its old version's bytes, so it is counted once."""
-    tg, a = problem.tg, max(1, problem.alignment)
+    a = max(1, alignment)
 
     def size(v: int) -> int:
         return -(-max(tg.values[v].nbytes, 1) // a) * a

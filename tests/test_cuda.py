@@ -175,3 +175,19 @@ def test_forward_only_step_matches_eager_under_a_budget():
         assert out.device.type == "cpu"
         torch.testing.assert_close(out, want.cpu(), **CUDA_TOL)
     mg.release()
+
+
+def test_loss_head_in_row_blocks_matches_eager():
+    """compile(split=4) on CUDA: the loss and the gradients within float tolerance of the unsplit step."""
+    model, loss_fn, batches = make_case("gpt", device="cuda")
+
+    def step(split):
+        mg = memgraph.compile(model, loss_fn, batches[0], device="cuda", split=split)
+        out = engine.run(mg, batches[0])
+        mg.release()
+        return out
+
+    plain, blocks = step("off"), step(4)
+    torch.testing.assert_close(blocks["loss"], plain["loss"], rtol=1e-5, atol=0)
+    for name in plain:
+        torch.testing.assert_close(blocks[name], plain[name], rtol=1e-3, atol=1e-5)

@@ -1,0 +1,299 @@
+"""Split the language-model loss head into row blocks, so no op holds all the logits.
+
+The largest op of a language model's step is its loss head: the LM head matmul, the (fp32)
+log-softmax over the whole vocabulary and the NLL loss, and in the backward their gradients; on
+gpt350m one of them needs more than 3.8 GiB, which sets the smallest budget the step can run in.
+``split_loss_head(tg, k)`` rewrites that head of a traced step (before buffer donation) into k
+blocks of rows (tokens):
+
+    forward, per block c:  y_c = h_c @ Wt  ->  [cast]  ->  log_softmax  ->  nll_loss (sum) -> s_c, w_c
+                           loss = (s_0 + ... + s_k-1) / (w_0 + ... + w_k-1)     (reduction "mean")
+    backward, per block c: nll_loss_backward(g, L_c, t_c, total_weight) -> log_softmax backward
+                           -> [cast] -> dh_c = gy_c @ W,  dW += gy_c^T @ h_c
+                           dh = cat(dh_0, ..., dh_k-1)
+
+Each block is a value of its own, so the planner keeps, offloads or recomputes blocks separately,
+and the largest op shrinks by k. Per-row results are computed by the same kernels on fewer rows;
+the loss's sum, the total weight and the weight gradient (a sum over rows) are added block by
+block, in another order than eager's single kernels, and under bf16 autocast each block's weight
+gradient is rounded to bf16 before the fp32 sum: the step is then equal to eager within float
+tolerance, not bitwise (tests/test_split.py states the tolerance). The head is recognized by its
+shape at the ATen level (mm, an optional cast, _log_softmax over the last dim, nll_loss_forward
+without class weights, and their backward ops with no other readers); a step without one is left
+alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind, Vertex, map_refs
+
+log = logging.getLogger(__name__)
+
+REDUCTION_MEAN, REDUCTION_SUM = 1, 2  # torch's Reduction enum, as nll_loss takes it
+
+
+@dataclass
+class LossHead:
+    """The vertices of a recognized loss head (ids in the TaskGraph) and the refs it reads."""
+
+    mm: int
+    cast: int | None  # y -> fp32 (autocast), or None
+    log_softmax: int
+    nll: int
+    nll_backward: int
+    log_softmax_backward: int
+    cast_backward: int | None  # gx -> y's dtype (autocast), or None
+    mm_weight: int  # dWt = gy^T @ h
+    mm_input: int  # dh = gy @ W
+    rows: int
+    vocab: int
+
+
+def _only_readers(tg: TaskGraph, readers: list[list[int]], value: int, allowed: set[int]) -> bool:
+    return set(readers[value]) <= allowed and value not in tg.outputs.values()
+
+
+def _refs(vertex: Vertex) -> list[TensorRef]:
+    return [r for r in vertex.args if isinstance(r, TensorRef)]
+
+
+def find_loss_head(tg: TaskGraph) -> LossHead | None:
+    """The loss head of ``tg`` (see the module docstring), or None."""
+    readers = tg.consumers()
+    producer = {o: v.id for v in tg.vertices for o in v.outputs if o >= 0}
+    for nll in tg.vertices:
+        if nll.op != "aten::nll_loss_forward" or nll.args[2] is not None or nll.args[3] not in (REDUCTION_MEAN,
+                                                                                              REDUCTION_SUM):
+            continue
+        head = _match(tg, nll, readers, producer)
+        if head is not None:
+            return head
+    return None
+
+
+def _match(tg: TaskGraph, nll: Vertex, readers, producer) -> LossHead | None:
+    logp_ref, target_ref = nll.args[0], nll.args[1]
+    if not (isinstance(logp_ref, TensorRef) and len(logp_ref.size) == 2 and isinstance(target_ref, TensorRef)):
+        return None
+    rows, vocab = logp_ref.size
+    ls = tg.vertices[producer.get(logp_ref.value, -1)] if logp_ref.value in producer else None
+    if ls is None or ls.op != "aten::_log_softmax" or ls.args[1] not in (1, -1) or ls.args[2]:
+        return None
+    x_ref = ls.args[0]
+    before = tg.vertices[producer[x_ref.value]] if x_ref.value in producer else None
+    cast = None
+    if before is not None and before.op == "aten::_to_copy":
+        cast, before = before, tg.vertices[producer.get(before.args[0].value, -1)] if before.args[0].value in producer else None
+    if before is None or before.op != "aten::mm":
+        return None
+    mm = before
+    h_ref, wt_ref = mm.args[0], mm.args[1]
+    if h_ref.size != (rows, h_ref.size[1]) or wt_ref.size[1] != vocab or tuple(tg.values[mm.outputs[0]].shape) != (rows, vocab):
+        return None
+    # the backward: nll_loss_backward -> _log_softmax_backward_data -> [cast] -> the two matmuls
+    total_weight = nll.outputs[1]
+    logp = logp_ref.value
+    nb = [tg.vertices[r] for r in readers[logp] if tg.vertices[r].op == "aten::nll_loss_backward"]
+    lb = [tg.vertices[r] for r in readers[logp] if tg.vertices[r].op == "aten::_log_softmax_backward_data"]
+    if len(nb) != 1 or len(lb) != 1:
+        return None
+    nb, lb = nb[0], lb[0]
+    if nb.args[1].value != logp or nb.args[6].value != total_weight or nb.args[2] != target_ref \
+            or nb.args[3:6] != nll.args[2:5] or lb.args[0].value != nb.outputs[0]:
+        return None
+    gx = lb.outputs[0]
+    gy_vertex = lb
+    cast_backward = None
+    if cast is not None:
+        following = [tg.vertices[r] for r in readers[gx]]
+        if len(following) != 1 or following[0].op != "aten::_to_copy":
+            return None
+        cast_backward = gy_vertex = following[0]
+    gy = gy_vertex.outputs[0]
+    mms = [tg.vertices[r] for r in readers[gy]]
+    if len(mms) != 2 or any(v.op != "aten::mm" for v in mms):
+        return None
+    by_first = {tuple(v.args[0].size): v for v in mms}
+    mm_weight, mm_input = by_first.get((vocab, rows)), by_first.get((rows, vocab))
+    if mm_weight is None or mm_input is None or mm_weight.args[1] != h_ref or mm_input.args[0].size != (rows, vocab):
+        return None
+    chain = {mm.id, ls.id, nll.id, nb.id, lb.id, mm_weight.id, mm_input.id} | (
+        {cast.id, cast_backward.id} if cast is not None else set())
+    y, x = mm.outputs[0], x_ref.value
+    private = [(y, chain), (logp, chain), (nb.outputs[0], chain), (gx, chain), (gy, chain)] + (
+        [(x, chain)] if cast is not None else [])
+    if not all(_only_readers(tg, readers, value, allowed) for value, allowed in private):
+        return None
+    return LossHead(mm.id, cast.id if cast else None, ls.id, nll.id, nb.id, lb.id,
+                    cast_backward.id if cast_backward else None, mm_weight.id, mm_input.id, rows, vocab)
+
+
+def _rows(ref: TensorRef, start: int, stop: int) -> TensorRef:
+    return TensorRef(ref.value, (stop - start, *ref.size[1:]), ref.stride, ref.storage_offset + start * ref.stride[0])
+
+
+def _bounds(rows: int, k: int) -> list[tuple[int, int]]:
+    step = -(-rows // k)
+    return [(a, min(rows, a + step)) for a in range(0, rows, step)]
+
+
+class _Writer:
+    """Appends vertices and values to a graph under construction."""
+
+    def __init__(self, tg: TaskGraph):
+        self.tg = tg
+
+    def value(self, shape, dtype) -> int:
+        meta = torch.empty(shape, dtype=dtype, device="meta")
+        return self.tg.add_value(meta.shape, meta.stride(), dtype, meta.untyped_storage().nbytes())
+
+    def dense(self, vid: int) -> TensorRef:
+        return self.tg.values[vid].dense_ref
+
+    def op(self, like: Vertex, op: str, args, kwargs=None, outputs=()) -> None:
+        self.tg.add_vertex(op, tuple(args), dict(kwargs or {}), tuple(outputs), module=like.module, phase=like.phase)
+
+
+def split_loss_head(tg: TaskGraph, k: int) -> TaskGraph:
+    """``tg`` with its loss head in ``k`` row blocks (a new graph; ``tg`` is left as it is). A step
+    without a recognizable head, or k < 2, comes back unchanged."""
+    head = find_loss_head(tg) if k >= 2 else None
+    if head is None:
+        return tg
+    blocks = _bounds(head.rows, k)
+    if len(blocks) < 2:
+        return tg
+    v = tg.vertices
+    mm, cast, ls, nll = v[head.mm], v[head.cast] if head.cast is not None else None, v[head.log_softmax], v[head.nll]
+    nb, lb = v[head.nll_backward], v[head.log_softmax_backward]
+    cast_b = v[head.cast_backward] if head.cast_backward is not None else None
+    mm_w, mm_h = v[head.mm_weight], v[head.mm_input]
+    removed = {x.id for x in (mm, cast, ls, nll, nb, lb, cast_b, mm_w, mm_h) if x is not None}
+    forward_at, backward_at = nll.id, max(mm_w.id, mm_h.id)
+    out = dataclasses.replace(tg, vertices=[], values=[dataclasses.replace(val) for val in tg.values],
+                              outputs=dict(tg.outputs), bindings=dict(tg.bindings))
+    w = _Writer(out)
+    h_ref, wt_ref = mm.args[0], mm.args[1]
+    target_ref = nll.args[1]
+    reduction, ignore_index = nll.args[3], nll.args[4]
+    y_dtype = tg.values[mm.outputs[0]].dtype
+    x_dtype = tg.values[cast.outputs[0]].dtype if cast is not None else y_dtype
+    loss, total_weight = nll.outputs
+    logps: list[int] = []
+
+    def forward_blocks() -> None:
+        sums, weights = [], []
+        for a, b in blocks:
+            n = b - a
+            y = w.value((n, head.vocab), y_dtype)
+            w.op(mm, "aten::mm", (_rows(h_ref, a, b), wt_ref), outputs=(y,))
+            x = y
+            if cast is not None:
+                x = w.value((n, head.vocab), x_dtype)
+                w.op(cast, "aten::_to_copy", (w.dense(y),), cast.kwargs, outputs=(x,))
+            logp = w.value((n, head.vocab), x_dtype)
+            w.op(ls, "aten::_log_softmax", (w.dense(x), *ls.args[1:]), outputs=(logp,))
+            logps.append(logp)
+            s, t = w.value((), x_dtype), w.value((), x_dtype)
+            w.op(nll, "aten::nll_loss_forward", (w.dense(logp), _rows(target_ref, a, b), None, REDUCTION_SUM,
+                                                 ignore_index), outputs=(s, t))
+            sums.append(s)
+            weights.append(t)
+        _sum_into(w, nll, weights, total_weight)
+        if reduction == REDUCTION_MEAN:
+            total = w.value((), x_dtype)
+            _sum_into(w, nll, sums, total)
+            w.op(nll, "aten::div.Tensor", (w.dense(total), w.dense(total_weight)), outputs=(loss,))
+        else:
+            _sum_into(w, nll, sums, loss)
+
+    def backward_blocks() -> None:
+        grad_ref = nb.args[0]
+        dh_blocks, acc = [], None
+        dw_value = mm_w.outputs[0]
+        dw_shape, dw_dtype = tuple(tg.values[dw_value].shape), tg.values[dw_value].dtype
+        acc_dtype = torch.float32 if dw_dtype in (torch.bfloat16, torch.float16) else dw_dtype
+        for c, ((a, b), logp) in enumerate(zip(blocks, logps, strict=True)):
+            n = b - a
+            last = c == len(blocks) - 1
+            g_logp = w.value((n, head.vocab), x_dtype)
+            w.op(nb, "aten::nll_loss_backward", (grad_ref, w.dense(logp), _rows(target_ref, a, b), *nb.args[3:6],
+                                                 nb.args[6]), outputs=(g_logp,))
+            gx = w.value((n, head.vocab), x_dtype)
+            w.op(lb, "aten::_log_softmax_backward_data", (w.dense(g_logp), w.dense(logp), *lb.args[2:]), outputs=(gx,))
+            gy = gx
+            if cast_b is not None:
+                gy = w.value((n, head.vocab), y_dtype)
+                w.op(cast_b, "aten::_to_copy", (w.dense(gx),), cast_b.kwargs, outputs=(gy,))
+            dh = w.value((n, mm_h.args[1].size[1]), tg.values[mm_h.outputs[0]].dtype)
+            w.op(mm_h, "aten::mm", (w.dense(gy), mm_h.args[1]), outputs=(dh,))
+            dh_blocks.append(dh)
+            gy_t = TensorRef(gy, (head.vocab, n), (1, head.vocab), 0)
+            part = w.value(dw_shape, dw_dtype)
+            w.op(mm_w, "aten::mm", (gy_t, _rows(h_ref, a, b)), outputs=(part,))
+            if acc_dtype != dw_dtype:  # bf16 blocks are summed in fp32
+                wide = w.value(dw_shape, acc_dtype)
+                w.op(mm_w, "aten::_to_copy", (w.dense(part),), {"dtype": acc_dtype}, outputs=(wide,))
+                part = wide
+            if acc is None:
+                acc = part
+            else:  # the last sum is the gradient itself where no cast back follows
+                total = dw_value if last and acc_dtype == dw_dtype else w.value(dw_shape, acc_dtype)
+                w.op(mm_w, "aten::add.Tensor", (w.dense(acc), w.dense(part)), outputs=(total,))
+                acc = total
+        if acc_dtype != dw_dtype:
+            w.op(mm_w, "aten::_to_copy", (w.dense(acc),), {"dtype": dw_dtype}, outputs=(dw_value,))
+        w.op(mm_h, "aten::cat", ([w.dense(d) for d in dh_blocks],), outputs=(mm_h.outputs[0],))
+
+    for vertex in tg.vertices:
+        if vertex.id == forward_at:
+            forward_blocks()
+        if vertex.id not in removed:
+            out.add_vertex(vertex.op, vertex.args, vertex.kwargs, vertex.outputs, module=vertex.module,
+                           phase=vertex.phase, random=vertex.random, time=vertex.time, workspace=vertex.workspace,
+                           recompute_of=vertex.recompute_of, copy_in=vertex.copy_in)
+        if vertex.id == backward_at:
+            backward_blocks()
+    out = _drop_unproduced(out, keep={loss, total_weight, mm_w.outputs[0], mm_h.outputs[0]})
+    out.validate()
+    log.info("split the loss head (%d x %d logits) into %d row blocks", head.rows, head.vocab, len(blocks))
+    return out
+
+
+def _sum_into(w: _Writer, like: Vertex, parts: list[int], target: int) -> None:
+    """target = parts[0] + parts[1] + ..., added in order (the last add writes target)."""
+    acc = parts[0]
+    for i, part in enumerate(parts[1:], start=1):
+        dst = target if i == len(parts) - 1 else w.value((), w.tg.values[acc].dtype)
+        w.op(like, "aten::add.Tensor", (w.dense(acc), w.dense(part)), outputs=(dst,))
+        acc = dst
+    if len(parts) == 1:
+        w.op(like, "aten::clone", (w.dense(acc),), outputs=(target,))
+
+
+def _drop_unproduced(tg: TaskGraph, keep: set[int]) -> TaskGraph:
+    """Renumber the values, leaving out intermediates nothing produces any more (the unsplit
+    head's), so the planner never sees a value without a producer."""
+    produced = {o for vertex in tg.vertices for o in vertex.outputs if o >= 0}
+    live = [val for val in tg.values if val.kind is not ValueKind.INTERMEDIATE or val.id in produced or val.id in keep]
+    new_id = {val.id: i for i, val in enumerate(live)}
+
+    def ref(r: TensorRef) -> TensorRef:
+        return dataclasses.replace(r, value=new_id[r.value])
+
+    values = [dataclasses.replace(val, id=new_id[val.id]) for val in live]
+    vertices = [dataclasses.replace(vx, args=map_refs(vx.args, ref), kwargs=map_refs(vx.kwargs, ref),
+                                    outputs=tuple(new_id[o] if o >= 0 else o for o in vx.outputs),
+                                    copy_in=tuple((new_id[a], new_id[b]) for a, b in vx.copy_in))
+                for vx in tg.vertices]
+    return dataclasses.replace(
+        tg, values=values, vertices=vertices, outputs={k: new_id[x] for k, x in tg.outputs.items()},
+        bindings={new_id[a]: new_id[b] for a, b in tg.bindings.items()},
+        batch_inputs=[new_id[x] for x in tg.batch_inputs],
+        initial_state={new_id[x]: t for x, t in tg.initial_state.items()},
+        state_names={name: new_id[x] for name, x in tg.state_names.items()})
