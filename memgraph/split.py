@@ -63,17 +63,24 @@ def _refs(vertex: Vertex) -> list[TensorRef]:
 
 
 def find_loss_head(tg: TaskGraph) -> LossHead | None:
-    """The loss head of ``tg`` (see the module docstring), or None."""
+    """The first loss head of ``tg`` (see the module docstring), or None."""
+    heads = find_loss_heads(tg)
+    return heads[0] if heads else None
+
+
+def find_loss_heads(tg: TaskGraph) -> list[LossHead]:
+    """Every loss head of ``tg``: one per micro-batch of a step that accumulates gradients."""
     readers = tg.consumers()
     producer = {o: v.id for v in tg.vertices for o in v.outputs if o >= 0}
+    heads = []
     for nll in tg.vertices:
         if nll.op != "aten::nll_loss_forward" or nll.args[2] is not None or nll.args[3] not in (REDUCTION_MEAN,
                                                                                               REDUCTION_SUM):
             continue
         head = _match(tg, nll, readers, producer)
         if head is not None:
-            return head
-    return None
+            heads.append(head)
+    return heads
 
 
 def _match(tg: TaskGraph, nll: Vertex, readers, producer) -> LossHead | None:
@@ -160,82 +167,110 @@ class _Writer:
 
 
 def split_loss_head(tg: TaskGraph, k: int) -> TaskGraph:
-    """``tg`` with its loss head in ``k`` row blocks (a new graph; ``tg`` is left as it is). A step
+    """``tg`` with each loss head in ``k`` row blocks (a new graph; ``tg`` is left as it is). A step
     without a recognizable head, or k < 2, comes back unchanged."""
-    head = find_loss_head(tg) if k >= 2 else None
-    if head is None:
+    heads = [h for h in find_loss_heads(tg) if len(_bounds(h.rows, k)) >= 2] if k >= 2 else []
+    if not heads:
         return tg
-    blocks = _bounds(head.rows, k)
-    if len(blocks) < 2:
-        return tg
-    v = tg.vertices
-    mm, cast, ls, nll = v[head.mm], v[head.cast] if head.cast is not None else None, v[head.log_softmax], v[head.nll]
-    nb, lb = v[head.nll_backward], v[head.log_softmax_backward]
-    cast_b = v[head.cast_backward] if head.cast_backward is not None else None
-    mm_w, mm_h = v[head.mm_weight], v[head.mm_input]
-    removed = {x.id for x in (mm, cast, ls, nll, nb, lb, cast_b, mm_w, mm_h) if x is not None}
-    forward_at, backward_at = nll.id, max(mm_w.id, mm_h.id)
     out = dataclasses.replace(tg, vertices=[], values=[dataclasses.replace(val) for val in tg.values],
                               outputs=dict(tg.outputs), bindings=dict(tg.bindings))
-    w = _Writer(out)
-    h_ref, wt_ref = mm.args[0], mm.args[1]
-    target_ref = nll.args[1]
-    reduction, ignore_index = nll.args[3], nll.args[4]
-    y_dtype = tg.values[mm.outputs[0]].dtype
-    x_dtype = tg.values[cast.outputs[0]].dtype if cast is not None else y_dtype
-    loss, total_weight = nll.outputs
-    logps: list[int] = []
+    rewrites = [_HeadRewrite(tg, head, _bounds(head.rows, k), _Writer(out)) for head in heads]
+    forward_at = {r.forward_at: r for r in rewrites}
+    backward_at = {r.backward_at: r for r in rewrites}
+    removed = set().union(*(r.removed for r in rewrites))
+    keep = set().union(*(r.results for r in rewrites))
+    for vertex in tg.vertices:
+        if vertex.id in forward_at:
+            forward_at[vertex.id].forward()
+        if vertex.id not in removed:
+            out.add_vertex(vertex.op, vertex.args, vertex.kwargs, vertex.outputs, module=vertex.module,
+                           phase=vertex.phase, random=vertex.random, time=vertex.time, workspace=vertex.workspace,
+                           recompute_of=vertex.recompute_of, copy_in=vertex.copy_in)
+        if vertex.id in backward_at:
+            backward_at[vertex.id].backward()
+    out = _drop_unproduced(out, keep=keep)
+    out.validate()
+    for head in heads:
+        log.info("split a loss head (%d x %d logits) into %d row blocks", head.rows, head.vocab,
+                 len(_bounds(head.rows, k)))
+    return out
 
-    def forward_blocks() -> None:
+
+class _HeadRewrite:
+    """One loss head's blocks: ``forward()`` where its NLL loss was, ``backward()`` where its last
+    gradient matmul was; the loss, total weight and both gradients keep their value ids."""
+
+    def __init__(self, tg: TaskGraph, head: LossHead, blocks: list[tuple[int, int]], writer: _Writer):
+        v = tg.vertices
+        self.tg, self.head, self.blocks, self.w = tg, head, blocks, writer
+        self.mm, self.ls, self.nll = v[head.mm], v[head.log_softmax], v[head.nll]
+        self.cast = v[head.cast] if head.cast is not None else None
+        self.nb, self.lb = v[head.nll_backward], v[head.log_softmax_backward]
+        self.cast_b = v[head.cast_backward] if head.cast_backward is not None else None
+        self.mm_w, self.mm_h = v[head.mm_weight], v[head.mm_input]
+        self.removed = {x.id for x in (self.mm, self.cast, self.ls, self.nll, self.nb, self.lb, self.cast_b,
+                                       self.mm_w, self.mm_h) if x is not None}
+        self.forward_at, self.backward_at = self.nll.id, max(self.mm_w.id, self.mm_h.id)
+        self.h_ref, self.wt_ref, self.target_ref = self.mm.args[0], self.mm.args[1], self.nll.args[1]
+        self.y_dtype = tg.values[self.mm.outputs[0]].dtype
+        self.x_dtype = tg.values[self.cast.outputs[0]].dtype if self.cast is not None else self.y_dtype
+        self.results = {*self.nll.outputs, self.mm_w.outputs[0], self.mm_h.outputs[0]}
+        self.logps: list[int] = []
+
+    def forward(self) -> None:
+        w, head, nll = self.w, self.head, self.nll
+        reduction, ignore_index = nll.args[3], nll.args[4]
+        loss, total_weight = nll.outputs
         sums, weights = [], []
-        for a, b in blocks:
+        for a, b in self.blocks:
             n = b - a
-            y = w.value((n, head.vocab), y_dtype)
-            w.op(mm, "aten::mm", (_rows(h_ref, a, b), wt_ref), outputs=(y,))
+            y = w.value((n, head.vocab), self.y_dtype)
+            w.op(self.mm, "aten::mm", (_rows(self.h_ref, a, b), self.wt_ref), outputs=(y,))
             x = y
-            if cast is not None:
-                x = w.value((n, head.vocab), x_dtype)
-                w.op(cast, "aten::_to_copy", (w.dense(y),), cast.kwargs, outputs=(x,))
-            logp = w.value((n, head.vocab), x_dtype)
-            w.op(ls, "aten::_log_softmax", (w.dense(x), *ls.args[1:]), outputs=(logp,))
-            logps.append(logp)
-            s, t = w.value((), x_dtype), w.value((), x_dtype)
-            w.op(nll, "aten::nll_loss_forward", (w.dense(logp), _rows(target_ref, a, b), None, REDUCTION_SUM,
+            if self.cast is not None:
+                x = w.value((n, head.vocab), self.x_dtype)
+                w.op(self.cast, "aten::_to_copy", (w.dense(y),), self.cast.kwargs, outputs=(x,))
+            logp = w.value((n, head.vocab), self.x_dtype)
+            w.op(self.ls, "aten::_log_softmax", (w.dense(x), *self.ls.args[1:]), outputs=(logp,))
+            self.logps.append(logp)
+            s, t = w.value((), self.x_dtype), w.value((), self.x_dtype)
+            w.op(nll, "aten::nll_loss_forward", (w.dense(logp), _rows(self.target_ref, a, b), None, REDUCTION_SUM,
                                                  ignore_index), outputs=(s, t))
             sums.append(s)
             weights.append(t)
         _sum_into(w, nll, weights, total_weight)
         if reduction == REDUCTION_MEAN:
-            total = w.value((), x_dtype)
+            total = w.value((), self.x_dtype)
             _sum_into(w, nll, sums, total)
             w.op(nll, "aten::div.Tensor", (w.dense(total), w.dense(total_weight)), outputs=(loss,))
         else:
             _sum_into(w, nll, sums, loss)
 
-    def backward_blocks() -> None:
-        grad_ref = nb.args[0]
+    def backward(self) -> None:
+        w, head, nb, lb, mm_w, mm_h = self.w, self.head, self.nb, self.lb, self.mm_w, self.mm_h
         dh_blocks, acc = [], None
         dw_value = mm_w.outputs[0]
-        dw_shape, dw_dtype = tuple(tg.values[dw_value].shape), tg.values[dw_value].dtype
+        dw_shape, dw_dtype = tuple(self.tg.values[dw_value].shape), self.tg.values[dw_value].dtype
         acc_dtype = torch.float32 if dw_dtype in (torch.bfloat16, torch.float16) else dw_dtype
-        for c, ((a, b), logp) in enumerate(zip(blocks, logps, strict=True)):
+        for c, ((a, b), logp) in enumerate(zip(self.blocks, self.logps, strict=True)):
             n = b - a
-            last = c == len(blocks) - 1
-            g_logp = w.value((n, head.vocab), x_dtype)
-            w.op(nb, "aten::nll_loss_backward", (grad_ref, w.dense(logp), _rows(target_ref, a, b), *nb.args[3:6],
-                                                 nb.args[6]), outputs=(g_logp,))
-            gx = w.value((n, head.vocab), x_dtype)
-            w.op(lb, "aten::_log_softmax_backward_data", (w.dense(g_logp), w.dense(logp), *lb.args[2:]), outputs=(gx,))
+            last = c == len(self.blocks) - 1
+            g_logp = w.value((n, head.vocab), self.x_dtype)
+            w.op(nb, "aten::nll_loss_backward", (nb.args[0], w.dense(logp), _rows(self.target_ref, a, b),
+                                                 *nb.args[3:6], nb.args[6]), outputs=(g_logp,))
+            gx = w.value((n, head.vocab), self.x_dtype)
+            w.op(lb, "aten::_log_softmax_backward_data", (w.dense(g_logp), w.dense(logp), *lb.args[2:]),
+                 outputs=(gx,))
             gy = gx
-            if cast_b is not None:
-                gy = w.value((n, head.vocab), y_dtype)
-                w.op(cast_b, "aten::_to_copy", (w.dense(gx),), cast_b.kwargs, outputs=(gy,))
-            dh = w.value((n, mm_h.args[1].size[1]), tg.values[mm_h.outputs[0]].dtype)
+            if self.cast_b is not None:
+                gy = w.value((n, head.vocab), self.y_dtype)
+                w.op(self.cast_b, "aten::_to_copy", (w.dense(gx),), self.cast_b.kwargs, outputs=(gy,))
+            dh = w.value((n, mm_h.args[1].size[1]), self.tg.values[mm_h.outputs[0]].dtype)
             w.op(mm_h, "aten::mm", (w.dense(gy), mm_h.args[1]), outputs=(dh,))
             dh_blocks.append(dh)
             gy_t = TensorRef(gy, (head.vocab, n), (1, head.vocab), 0)
             part = w.value(dw_shape, dw_dtype)
-            w.op(mm_w, "aten::mm", (gy_t, _rows(h_ref, a, b)), outputs=(part,))
+            w.op(mm_w, "aten::mm", (gy_t, _rows(self.h_ref, a, b)), outputs=(part,))
             if acc_dtype != dw_dtype:  # bf16 blocks are summed in fp32
                 wide = w.value(dw_shape, acc_dtype)
                 w.op(mm_w, "aten::_to_copy", (w.dense(part),), {"dtype": acc_dtype}, outputs=(wide,))
@@ -249,20 +284,6 @@ def split_loss_head(tg: TaskGraph, k: int) -> TaskGraph:
         if acc_dtype != dw_dtype:
             w.op(mm_w, "aten::_to_copy", (w.dense(acc),), {"dtype": dw_dtype}, outputs=(dw_value,))
         w.op(mm_h, "aten::cat", ([w.dense(d) for d in dh_blocks],), outputs=(mm_h.outputs[0],))
-
-    for vertex in tg.vertices:
-        if vertex.id == forward_at:
-            forward_blocks()
-        if vertex.id not in removed:
-            out.add_vertex(vertex.op, vertex.args, vertex.kwargs, vertex.outputs, module=vertex.module,
-                           phase=vertex.phase, random=vertex.random, time=vertex.time, workspace=vertex.workspace,
-                           recompute_of=vertex.recompute_of, copy_in=vertex.copy_in)
-        if vertex.id == backward_at:
-            backward_blocks()
-    out = _drop_unproduced(out, keep={loss, total_weight, mm_w.outputs[0], mm_h.outputs[0]})
-    out.validate()
-    log.info("split the loss head (%d x %d logits) into %d row blocks", head.rows, head.vocab, len(blocks))
-    return out
 
 
 def _sum_into(w: _Writer, like: Vertex, parts: list[int], target: int) -> None:

@@ -146,3 +146,21 @@ def test_split_takes_off_or_a_block_count(gpt, bad):
     model, loss_fn, batches = gpt
     with pytest.raises(ValueError, match="split must be"):
         memgraph.compile(model, loss_fn, batches[0], device="cpu", verbose=False, cache=False, split=bad)
+
+
+def test_every_micro_batchs_head_is_split_when_accumulating(gpt):
+    model, loss_fn, batches = gpt
+    micro = [batches[0], batches[1]]
+
+    def run(split):
+        m = copy.deepcopy(model)
+        mg = memgraph.compile(m, loss_fn, micro[0], optimizer=OPTIMIZERS["sgd"](trainable(m)), accumulation_steps=2,
+                              device="cpu", verbose=False, cache=False, split=split)
+        return mg, engine.run(mg, micro)
+
+    plain, want = run("off")
+    blocks, got = run(4)
+    assert sum(v.op == "aten::nll_loss_forward" for v in blocks.taskgraph.vertices) == 8  # 2 heads x 4 blocks
+    torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-6, atol=0)
+    for key, tensor in plain.state_dict().items():
+        torch.testing.assert_close(blocks.state_dict()[key], tensor, rtol=0, atol=1e-6)
