@@ -2,7 +2,7 @@
 and simulate it anywhere.
 
     # on the GPU machine (a minute per model): the step with its measured op costs, and eager's peak
-    python -m turnip.bench.replan export --models gpt350m,gpt1.3b,llama --out bench/results/h100/steps
+    python -m turnip.bench.replan export --models gpt350m,gpt1.3b,llama --split 4 --out bench/results/h100/steps
     # anywhere, any number of times: every candidate compile would build, planned and simulated
     python -m turnip.bench.replan plan --step bench/results/h100/steps/step_gpt350m.step --budgets 0.6,0.5 \\
         [--planner-option reload_room=true]
@@ -47,18 +47,19 @@ log = logging.getLogger(__name__)
 ALIGNMENT = 256  # compile's arena alignment on CUDA
 
 
-def export(workload: Workload, device: str, out: Path, eager: bool = True) -> Path:
-    """Trace ``workload`` for ``device``, measure its op costs there, write the step and its facts."""
+def export(workload: Workload, device: str, out: Path, eager: bool = True, loss_blocks: int | None = None) -> Path:
+    """Trace ``workload`` for ``device`` (its loss head in ``loss_blocks`` row blocks when given,
+    memgraph/split.py), measure its op costs there, write the step and its facts."""
     started = time.perf_counter()
     model = workload.model
     trainable = [p for p in model.parameters() if p.requires_grad]
     tg = trace(model, workload.loss_fn, workload.batch_on(device), optimizer=workload.optimizer(trainable),
-               device=device)
+               device=device, loss_blocks=loss_blocks)
     costs = default_costs(tg)
     costs.annotate(tg)
-    stem = f"step_{workload.name}"
+    stem = f"step_{workload.name}" + (f"_split{loss_blocks}" if loss_blocks else "")
     save_step(tg, out / f"{stem}.step")
-    facts = {"model": workload.name, "device": device, "device_name": device_name(device),
+    facts = {"model": workload.name, "loss_blocks": loss_blocks or 1, "device": device, "device_name": device_name(device),
              "h2d_bandwidth": costs.h2d_bandwidth, "d2h_bandwidth": costs.d2h_bandwidth,
              "host_per_vertex": costs.host_per_vertex_on(device), "vertices": len(tg.vertices),
              "export_seconds": None, **run_metadata()}
@@ -85,6 +86,11 @@ def replan(step: Path, budgets: list[str], options: dict) -> list[dict]:
     """One row per candidate MemGraph per budget (see the module docstring)."""
     tg = load_step(step)
     facts = json.loads(step.with_suffix(".json").read_text())
+    if facts.get("eager_peak_allocated") is None and facts.get("loss_blocks", 1) > 1:
+        sibling = step.with_name(f"step_{facts['model']}.json")  # a split export: eager's facts are the unsplit's
+        if sibling.exists():
+            unsplit = json.loads(sibling.read_text())
+            facts.update({k: unsplit.get(k) for k in ("eager_peak_allocated", "eager_step_s")})
     costs = offline_costs(facts)
     costs.annotate(tg)  # only vertices without a time (none in an exported step) are estimated
     keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=ALIGNMENT, compact=True)
@@ -101,7 +107,7 @@ def replan(step: Path, budgets: list[str], options: dict) -> list[dict]:
                 sim = simulate(mg, costs, backend="cuda")
                 moved_in, moved_out = transfer_bytes(mg)
                 summary = mg.summary()
-                rows.append({"model": facts.get("model"), "budget": text, "budget_bytes": budget,
+                rows.append({"model": facts.get("model"), "loss_blocks": facts.get("loss_blocks", 1), "budget": text, "budget_bytes": budget,
                              "unplanned_peak": peak, "eager_peak_allocated": eager_peak,
                              "eager_step_s": facts.get("eager_step_s"), "candidate": f"{plan.planner}#{k}/{walk}",
                              "planner_predicted_s": plan.predicted_time, "simulated_s": sim.step_time,
@@ -145,6 +151,8 @@ def main(argv=None) -> int:
     ex.add_argument("--out", default=None, help="folder (default bench/results/steps)")
     ex.add_argument("--no-eager", action="store_true", help="skip measuring eager's peak (budgets then are "
                     "fractions of the unplanned peak)")
+    ex.add_argument("--split", default="", help="comma-separated row-block counts: also export the step with its "
+                    "loss head split (memgraph/split.py), e.g. 4,8")
     pl = sub.add_parser("plan", help="plan and simulate an exported step at some budgets")
     pl.add_argument("--step", required=True, help="a step_<model>.step file (its .json beside it)")
     pl.add_argument("--budgets", default="0.6,0.5", help="fractions of eager's measured peak, or sizes")
@@ -158,7 +166,10 @@ def main(argv=None) -> int:
         out = Path(args.out) if args.out else result_path("x").parent / "steps"
         out.mkdir(parents=True, exist_ok=True)
         for name in [m for m in args.models.split(",") if m]:
-            export(make_workload(name), args.device, out, eager=not args.no_eager)
+            workload = make_workload(name)
+            export(workload, args.device, out, eager=not args.no_eager)
+            for k in [int(x) for x in args.split.split(",") if x]:
+                export(workload, args.device, out, eager=False, loss_blocks=k)
         return 0
     options = {}
     for item in args.planner_option:

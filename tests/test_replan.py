@@ -69,3 +69,13 @@ def test_the_command_writes_json(exported, tmp_path, capsys):
     doc = json.loads((tmp_path / "replan_gpt350m-tiny.json").read_text())
     assert doc["benchmark"] == "replan" and doc["rows"][0]["options"] == {"time_limit": 2}
     assert "picked" in capsys.readouterr().out
+
+
+def test_a_split_export_plans_with_the_unsplit_steps_eager_facts(exported, tmp_path):
+    out = exported.parent
+    split = replan.export(make_workload("gpt350m", tiny=True), "cpu", out, eager=False, loss_blocks=4)
+    assert split.name == "step_gpt350m-tiny_split4.step"
+    tg = load_step(split)
+    assert sum(v.op == "aten::nll_loss_forward" for v in tg.vertices) == 4
+    rows = replan.replan(split, ["0.5"], {})
+    assert rows and all(r["loss_blocks"] == 4 for r in rows)
