@@ -1,0 +1,30 @@
+"""The prefill benchmark's plumbing on the CPU (bench/prefill.py --tiny): turnip's forward-only
+step beside eager on a two-layer Llama, every row ok and equal to eager's logits bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from turnip.bench import prefill  # after the skip: the benchmark needs transformers
+
+
+def test_tiny_prefill_rows_are_eagers_logits(tmp_path, capsys):
+    assert prefill.main(["--tiny", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "prefill-tiny.json").read_text())
+    rows = doc["rows"]
+    turnip = [r for r in rows if r["system"] == "turnip"]
+    assert len(turnip) == 4 and {r["seq"] for r in rows} == {64, 128}
+    assert all(r["status"] == "ok" and r["max_abs_diff_vs_eager"] == 0.0 for r in turnip)
+    assert all(r["bytes_h2d"] > 0 and r["floor_s"] > 0 for r in turnip)  # the budgets make it stream weights
+    assert "turnip" in capsys.readouterr().out
+
+
+def test_a_budget_too_small_is_a_row_not_a_crash(tmp_path):
+    code = prefill.main(["--tiny", "--out", str(tmp_path), "--seqs", "64", "--budgets", "1KiB",
+                         "--systems", "turnip"])
+    row = json.loads((tmp_path / "prefill-tiny.json").read_text())["rows"][0]
+    assert code == 1 and row["status"] == "infeasible" and "smallest budget" in row["error"]
