@@ -80,7 +80,8 @@ def test_a_two_layer_llama_prefill_matches_eager():
                           cache=False)
     with torch.no_grad():
         want = prefill(model, tokens)
-    assert torch.equal(engine.run(mg, tokens)["output"], want)
+    # Llama may build an explicit causal mask when traced (README, "Known gap"): float rounding apart
+    torch.testing.assert_close(engine.run(mg, tokens)["output"], want, rtol=1e-5, atol=1e-6)
 
 
 def test_what_a_forward_cannot_take_is_refused(gpt):

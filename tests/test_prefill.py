@@ -1,5 +1,6 @@
 """The prefill benchmark's plumbing on the CPU (bench/prefill.py --tiny): turnip's forward-only
-step beside eager on a two-layer Llama, every row ok and equal to eager's logits bit for bit."""
+step beside eager on a two-layer Llama, every row ok and equal to eager's logits (bit for bit with
+this transformers; within rounding where Llama traces another mask path)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def test_tiny_prefill_rows_are_eagers_logits(tmp_path, capsys):
     rows = doc["rows"]
     turnip = [r for r in rows if r["system"] == "turnip"]
     assert len(turnip) == 4 and {r["seq"] for r in rows} == {64, 128}
-    assert all(r["status"] == "ok" and r["max_abs_diff_vs_eager"] == 0.0 for r in turnip)
+    # Llama may take another causal-mask path when traced (README, "Known gap"): rounding apart
+    assert all(r["status"] == "ok" and r["max_abs_diff_vs_eager"] <= 1e-5 for r in turnip)
     assert all(r["bytes_h2d"] > 0 and r["floor_s"] > 0 for r in turnip)  # the budgets make it stream weights
     assert "turnip" in capsys.readouterr().out
 
