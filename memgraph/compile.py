@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -15,9 +16,12 @@ from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import MemGraph
 from turnip.ir.optimizer import CompiledOptimizer
 from turnip.ir.plan import Plan
+from turnip.ir.taskgraph import TaskGraph
 from turnip.memgraph.build import build, build_walks
 from turnip.memgraph.progress import Phases, stderr_is_terminal
 from turnip.memgraph.report import compile_report
+from turnip.memgraph.reuse import donate_dying_inputs
+from turnip.memgraph.split import split_loss_head
 from turnip.memgraph.trace import target_device, trace
 from turnip.planners.cache import CachedPlan, PlanCache, plan_key
 from turnip.planners.costs import default_costs
@@ -125,12 +129,10 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device,
                        fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type,
                        accumulation_steps=accumulation_steps, backward=backward,
-                       loss_blocks=split_blocks(split))
-
-        def traced_in_blocks(k: int):
-            return trace(model, loss_fn, example_batch, optimizer=optimizer, device=device,
-                         fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type,
-                         accumulation_steps=accumulation_steps, backward=backward, loss_blocks=k)
+                       loss_blocks=split_blocks(split), donate=split != "auto")
+            traced = None
+            if split == "auto":  # kept as traced: its loss head is split if the budget needs it
+                traced, tg = tg, donated(tg)
         costs = planner_options.pop("costs", None)
         if planner != "none":  # op times and workspace first: the unplanned peak includes workspace
             with progress.phase("measuring op costs"):
@@ -147,8 +149,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             log.debug("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
                       time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
             loss_blocks = split_blocks(split)
-            if split == "auto" and planner != "none" and gpu_budget < step_floor(tg, alignment):
-                tg, loss_blocks = split_to_fit(tg, gpu_budget, alignment, traced_in_blocks, costs, progress)
+            if traced is not None and planner != "none" and gpu_budget < step_floor(tg, alignment):
+                tg, loss_blocks = split_to_fit(traced, tg, gpu_budget, alignment, costs, progress)
             candidates, key, hit = None, None, None
             if gpu_budget < peak and planner != "none" and store is not None:
                 key = plan_key(tg, gpu_budget, cpu_bytes, device=str(device), planner=planner,
@@ -230,17 +232,29 @@ def split_blocks(split) -> int | None:
 MAX_LOSS_BLOCKS = 64
 
 
-def split_to_fit(tg, gpu_budget: int, alignment: int, traced_in_blocks, costs, progress) -> tuple:
-    """(graph, blocks): the step traced with its loss head in the fewest blocks (2, 4, ...,
-    MAX_LOSS_BLOCKS) whose smallest budget fits ``gpu_budget``, or the most blocks tried when none
-    does (planning then says how small it can go); ``tg`` itself when it has no loss head."""
+def donated(traced: TaskGraph) -> TaskGraph:
+    """A copy of a graph traced with donate=False, with buffer donation applied (memgraph/reuse.py
+    rewrites vertices in place; the traced graph is kept as it is)."""
+    tg = dataclasses.replace(traced, vertices=[dataclasses.replace(v) for v in traced.vertices],
+                             values=[dataclasses.replace(v) for v in traced.values])
+    donate_dying_inputs(tg)
+    tg.validate()
+    return tg
+
+
+def split_to_fit(traced: TaskGraph, tg: TaskGraph, gpu_budget: int, alignment: int, costs, progress) -> tuple:
+    """(graph, blocks): ``traced`` with its loss head in the fewest blocks (2, 4, ...,
+    MAX_LOSS_BLOCKS) whose smallest budget fits ``gpu_budget``, donated; the most blocks tried when
+    none fits (planning then says how small the step can go); ``tg`` itself when ``traced`` has no
+    loss head. Splitting rewrites the traced graph: no second trace."""
     best, blocks = tg, None
     k = 2
     while k <= MAX_LOSS_BLOCKS:
         progress.describe("planning", f"splitting the loss head into {k} row blocks")
-        candidate = traced_in_blocks(k)
-        if len(candidate.vertices) == len(tg.vertices):  # no loss head found: splitting cannot help
+        split_graph = split_loss_head(traced, k)
+        if split_graph is traced:  # no loss head: splitting cannot help
             break
+        candidate = donated(split_graph)
         if costs is not None:
             costs.annotate(candidate)
         best, blocks = candidate, k

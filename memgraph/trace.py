@@ -354,8 +354,11 @@ def target_device(device) -> torch.device:
 def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
           device: str | torch.device | None = None, fused_optimizer: bool | None = None,
           max_grad_norm: float | None = None, norm_type: float = 2.0, accumulation_steps: int = 1,
-          backward: bool = True, loss_blocks: int | None = None) -> TaskGraph:
+          backward: bool = True, loss_blocks: int | None = None, donate: bool = True) -> TaskGraph:
     """Trace forward, loss, backward and the optimizer update of one training step.
+
+    donate: rewrite ops whose input dies there to write over it (memgraph/reuse.py); False leaves
+    the graph as traced (compile splits the loss head of that graph when its budget needs it).
 
     loss_blocks: k >= 2 splits the loss head (LM head matmul, log-softmax, NLL loss and their backward)
     into k blocks of rows (memgraph/split.py): equal to eager within float tolerance, not bitwise.
@@ -553,7 +556,8 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
                           fused=device.type == "cuda" if fused_optimizer is None else fused_optimizer)
     if loss_blocks is not None and loss_blocks >= 2:
         tg = split_loss_head(tg, loss_blocks)
-    donate_dying_inputs(tg)
+    if donate:
+        donate_dying_inputs(tg)
     tg.validate()
     log.info("traced %d vertices, %d values", len(tg.vertices), len(tg.values))
     return tg

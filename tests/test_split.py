@@ -164,3 +164,20 @@ def test_every_micro_batchs_head_is_split_when_accumulating(gpt):
     torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-6, atol=0)
     for key, tensor in plain.state_dict().items():
         torch.testing.assert_close(blocks.state_dict()[key], tensor, rtol=0, atol=1e-6)
+
+
+def test_auto_split_traces_once(monkeypatch):
+    """"auto" splits the graph it traced, unsplit and undonated, instead of tracing the step again for
+    each block count it tries (a 7B model's trace takes tens of seconds)."""
+    from turnip.bench.models import gpt
+
+    compile_module = sys.modules["turnip.memgraph.compile"]
+    calls = []
+    real = compile_module.trace
+    monkeypatch.setattr(compile_module, "trace", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    cfg = gpt.GPTConfig(vocab=4096, d_model=32, n_layers=1, n_heads=2)
+    torch.manual_seed(0)
+    model, batch = gpt.GPT(cfg), gpt.example_batch(cfg)
+    with pytest.raises(InfeasibleBudget):  # far below any split: every count is tried, still one trace
+        memgraph.compile(model, gpt.lm_loss, batch, budget="8KiB", device="cpu", verbose=False, cache=False)
+    assert len(calls) == 1 and calls[0]["donate"] is False
