@@ -20,6 +20,7 @@ import pytest
 import torch
 from cases import OPTIMIZERS, bf16_autocast, eager_steps, make_case, trainable
 from turnip.ir.errors import InfeasibleBudget
+from turnip.memgraph.report import compile_report
 from turnip.memgraph.split import find_loss_head, split_loss_head
 
 from turnip import engine, memgraph
@@ -106,6 +107,7 @@ def test_split_runs_below_the_unsplit_steps_smallest_budget():
     auto = memgraph.compile(m2, loss_fn, batches[0], optimizer=OPTIMIZERS["sgd"](trainable(m2)),
                             budget=f"{floor - 1}B", device="cpu", verbose=False, cache=False)
     assert auto.stats["loss_blocks"] == 2
+    assert "loss head runs in 2 row blocks" in compile_report(auto)
     m3 = copy.deepcopy(model)
     fits = memgraph.compile(m3, loss_fn, batches[0], optimizer=OPTIMIZERS["sgd"](trainable(m3)),
                             budget=f"{floor + (64 << 10)}B", device="cpu", verbose=False, cache=False)
@@ -181,3 +183,23 @@ def test_auto_split_traces_once(monkeypatch):
     with pytest.raises(InfeasibleBudget):  # far below any split: every count is tried, still one trace
         memgraph.compile(model, gpt.lm_loss, batch, budget="8KiB", device="cpu", verbose=False, cache=False)
     assert len(calls) == 1 and calls[0]["donate"] is False
+
+
+def test_a_summed_loss_splits_too(gpt):
+    """reduction="sum": the blocks' sums add up to the loss, no division by the total weight."""
+    import torch.nn.functional as F
+
+    model, _loss, batches = gpt
+
+    def summed(m, batch):
+        idx, targets = batch
+        logits = m(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+
+    loss, want, _ = grads(model, summed, batches[0], "off")
+    got_loss, got, mg = grads(model, summed, batches[0], 4)
+    assert not any(v.op == "aten::div.Tensor" and v.phase == "forward" and not v.module
+                   for v in mg.taskgraph.vertices)
+    torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
