@@ -12,13 +12,13 @@ Results go to bench/results/ (or $TURNIP_RESULTS, or --out).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
 
 import torch
 from turnip.bench.ablation import main as ablation_main
+from turnip.bench.options import planner_options
 from turnip.bench.results import load_suite_rows, result_path
 from turnip.bench.suite import (
     DEFAULT_SYSTEMS,
@@ -46,19 +46,6 @@ def _out(args) -> Path:
     return Path(args.out) if args.out else result_path("x").parent
 
 
-def _planner_options(items: list[str]) -> dict:
-    options = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--planner-option takes KEY=VALUE, not {item!r}")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
-    return options
-
-
 def _sites(items: list[str] | None) -> dict[str, list[str]]:
     """--site SYSTEM=PATH[:PATH...], repeatable: sys.path entries first in that system's process."""
     sites: dict[str, list[str]] = {}
@@ -84,7 +71,7 @@ def suite(args) -> int:
         systems=systems, tiny=args.tiny, device=device, out=_out(args), time_limit=args.time_limit,
         system_limit=args.system_limit, peer_limit=args.peer_limit,
         warmup=args.warmup if args.warmup is not None else (1 if args.tiny else 2), planner=args.planner,
-        planner_options=_planner_options(args.planner_option),
+        planner_options=planner_options(args.planner_option),
         tag=args.tag, batch=args.batch, plots=not args.no_plots,
         isolate=args.isolate or ("none" if args.tiny else "all"), sites=_sites(args.site))
     for b in cfg.budgets:

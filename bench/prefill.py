@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from turnip.bench.options import planner_options
 from turnip.bench.results import result_path, run_metadata
 from turnip.engine.timing_sim import step_floor, transfer_bytes
 from turnip.planners.costs import CostModel
@@ -242,12 +243,7 @@ def main(argv=None) -> int:
         cfg.seqs = [int(x) for x in args.seqs.split(",") if x]
     if args.budgets:
         cfg.budgets = [x for x in args.budgets.split(",") if x]
-    for item in args.planner_option:
-        key, _, value = item.partition("=")
-        try:
-            cfg.planner_options[key] = json.loads(value)
-        except ValueError:
-            cfg.planner_options[key] = value
+    cfg.planner_options = planner_options(args.planner_option)
     rows = run_prefill(cfg)
     name = "prefill-tiny.json" if cfg.tiny else "prefill.json"
     path = Path(args.out) / name if args.out else result_path(name)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from turnip.bench.models.sizes import make_workload
+from turnip.bench.options import planner_options
 from turnip.bench.peers.common import Workload
 from turnip.bench.peers.isolated import resolve
 from turnip.bench.results import result_path, run_metadata
@@ -171,15 +172,7 @@ def main(argv=None) -> int:
             for k in [int(x) for x in args.split.split(",") if x]:
                 export(workload, args.device, out, eager=False, loss_blocks=k)
         return 0
-    options = {}
-    for item in args.planner_option:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--planner-option takes KEY=VALUE, not {item!r}")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
+    options = planner_options(args.planner_option)
     step = Path(args.step)
     rows = replan(step, [b for b in args.budgets.split(",") if b], options)
     out = Path(args.out) if args.out else step.parent
