@@ -1,5 +1,6 @@
 """PNG figures from the benchmark JSON: step time vs memory budget, step time vs measured peak memory (the
-Pareto front of every system), one step's timeline per stream, the ablation.
+Pareto front of every system), one step's timeline per stream, the ablation, prefill time against
+sequence length.
 
     python -m turnip.bench plots [--results DIR]      # redraw every figure from DIR's JSON files
 
@@ -273,6 +274,47 @@ def _quantile(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
+def plot_prefill(rows: list[dict], path: str | Path, title: str = "") -> Path:
+    """Prefill time against sequence length (log-log), one line per (system, budget), as the TURNIP
+    paper's prefill figures: a failed cell (OOM, infeasible budget, error) is an x at the bottom."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    lines: dict[tuple, list] = defaultdict(list)
+    for row in rows:
+        lines[(row["system"], row.get("budget"))].append(row)
+    styles = {"eager": ("black", "s"), "turnip": ("tab:red", "o"), "accelerate": ("tab:blue", "^")}
+    dashes = ["-", "--", ":", "-."]
+    budgets = sorted({str(r.get("budget")) for r in rows if r.get("budget") is not None})
+    failed = []
+    for (system, budget), cells in sorted(lines.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        if system == "skipped":
+            continue
+        color, marker = styles.get(system, ("tab:gray", "o"))
+        ok = sorted((r["seq"], r["step_s"]) for r in cells if r.get("status") == "ok")
+        style = "-" if budget is None else dashes[budgets.index(str(budget)) % len(dashes)]
+        label = system if budget is None else f"{system} @ {budget}"
+        if ok:
+            ax.plot([x for x, _ in ok], [y for _, y in ok], marker=marker, ls=style, color=color, label=label)
+        failed += [(r["seq"], f"{label}: {r.get('status')}", color) for r in cells
+                   if r.get("status") not in ("ok", "skipped")]
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    for seq, _text, color in failed:
+        ax.scatter([seq], [0.0], marker="x", color=color, transform=ax.get_xaxis_transform(), clip_on=False, zorder=5)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("prefill time (s, median)")
+    ax.set_title(title or "prefill")
+    ax.grid(alpha=0.3, which="both")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    if failed:
+        fig.text(0.01, 0.01, "x: " + "; ".join(f"{t} at {s}" for s, t, _ in failed), fontsize=7, wrap=True)
+    fig.tight_layout(rect=(0, 0.06 if failed else 0, 1, 1))
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def redraw(folder: str | Path) -> list[Path]:
     """Every figure that the JSON in ``folder`` supports."""
     folder = Path(folder)
@@ -288,6 +330,9 @@ def redraw(folder: str | Path) -> list[Path]:
                             title=trace.stem.removeprefix("trace_"))
         if png:
             out.append(png)
+    for file in sorted(folder.glob("prefill*.json")):
+        doc = json.loads(file.read_text())
+        out.append(plot_prefill(doc.get("rows", []), file.with_suffix(".png"), title=doc.get("model", file.stem)))
     for file in sorted(folder.glob("ablation*.json")):
         doc = json.loads(file.read_text())
         if doc.get("sim_rows"):

@@ -14,8 +14,9 @@ turnip's floor max(compute, weight bytes in / H2D bandwidth) from its cost model
 difference of its logits from eager's. Writes prefill[-tiny].json under bench/results.
 
 accelerate's row is not run on the CPU ("skipped"); it caps only where weights go, so its measured
-peak can exceed the budget (the row says how much). Not here yet: DeepSpeed ZeRO-Inference, the
-plot of time against sequence length.
+peak can exceed the budget (the row says how much). `python -m turnip.bench plots` draws time
+against sequence length from the JSON (bench/plots.py, plot_prefill). Not here yet: DeepSpeed
+ZeRO-Inference.
 """
 
 from __future__ import annotations

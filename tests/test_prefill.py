@@ -32,3 +32,11 @@ def test_a_budget_too_small_is_a_row_not_a_crash(tmp_path):
                          "--systems", "turnip"])
     row = json.loads((tmp_path / "prefill-tiny.json").read_text())["rows"][0]
     assert code == 1 and row["status"] == "infeasible" and "smallest budget" in row["error"]
+
+
+def test_the_prefill_plot_is_drawn_from_the_json(tmp_path):
+    from turnip.bench.plots import redraw
+
+    prefill.main(["--tiny", "--out", str(tmp_path), "--budgets", "0.6,1KiB"])  # 1KiB: an infeasible cell
+    drawn = redraw(tmp_path)
+    assert tmp_path / "prefill-tiny.png" in drawn and (tmp_path / "prefill-tiny.png").stat().st_size > 10_000
