@@ -48,22 +48,31 @@ log = logging.getLogger(__name__)
 ALIGNMENT = 256  # compile's arena alignment on CUDA
 
 
-def export(workload: Workload, device: str, out: Path, eager: bool = True, loss_blocks: int | None = None) -> Path:
+def export(workload: Workload, device: str, out: Path, eager: bool = True, loss_blocks: int | None = None,
+           analytic_cuda: bool = False) -> Path:
     """Trace ``workload`` for ``device`` (its loss head in ``loss_blocks`` row blocks when given,
-    memgraph/split.py), measure its op costs there, write the step and its facts."""
+    memgraph/split.py), measure its op costs there, write the step and its facts. analytic_cuda:
+    no GPU at hand: trace on ``device`` (the CPU) and price the ops with the analytic H100-class
+    model as a CUDA step (a stand-in for planner experiments, not the GPU's measured costs)."""
     started = time.perf_counter()
     model = workload.model
     trainable = [p for p in model.parameters() if p.requires_grad]
     tg = trace(model, workload.loss_fn, workload.batch_on(device), optimizer=workload.optimizer(trainable),
                device=device, loss_blocks=loss_blocks)
-    costs = default_costs(tg)
+    if analytic_cuda:
+        tg.device = "cuda"  # priced and planned as a CUDA step: launches cost host time, links are PCIe
+        costs = CostModel(device="cuda", measure=False)
+    else:
+        costs = default_costs(tg)
     costs.annotate(tg)
     stem = f"step_{workload.name}" + (f"_split{loss_blocks}" if loss_blocks else "")
     save_step(tg, out / f"{stem}.step")
-    facts = {"model": workload.name, "loss_blocks": loss_blocks or 1, "device": device, "device_name": device_name(device),
+    priced = "analytic H100-class" if analytic_cuda else "measured" if costs.measure else "analytic"
+    facts = {**run_metadata(), "model": workload.name, "loss_blocks": loss_blocks or 1, "costs": priced,
+             "device": tg.device if analytic_cuda else device, "device_name": device_name(device),
              "h2d_bandwidth": costs.h2d_bandwidth, "d2h_bandwidth": costs.d2h_bandwidth,
-             "host_per_vertex": costs.host_per_vertex_on(device), "vertices": len(tg.vertices),
-             "export_seconds": None, **run_metadata()}
+             "host_per_vertex": costs.host_per_vertex_on(tg.device), "vertices": len(tg.vertices),
+             "export_seconds": None}
     if eager:  # the suite's budgets are fractions of eager's measured peak: keep it beside the step
         result = resolve("eager")(workload, device, 3, warmup=1)
         facts.update(eager_status=result.status, eager_peak_allocated=result.peak_allocated,
@@ -152,6 +161,8 @@ def main(argv=None) -> int:
     ex.add_argument("--out", default=None, help="folder (default bench/results/steps)")
     ex.add_argument("--no-eager", action="store_true", help="skip measuring eager's peak (budgets then are "
                     "fractions of the unplanned peak)")
+    ex.add_argument("--analytic-cuda", action="store_true", help="no GPU: trace on --device and price the step with "
+                    "the analytic H100-class model as a CUDA step (planner experiments only)")
     ex.add_argument("--split", default="", help="comma-separated row-block counts: also export the step with its "
                     "loss head split (memgraph/split.py), e.g. 4,8")
     pl = sub.add_parser("plan", help="plan and simulate an exported step at some budgets")
@@ -168,9 +179,10 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         for name in [m for m in args.models.split(",") if m]:
             workload = make_workload(name)
-            export(workload, args.device, out, eager=not args.no_eager)
+            eager = not (args.no_eager or args.analytic_cuda)  # a CPU eager step measures no GPU peak
+            export(workload, args.device, out, eager=eager, analytic_cuda=args.analytic_cuda)
             for k in [int(x) for x in args.split.split(",") if x]:
-                export(workload, args.device, out, eager=False, loss_blocks=k)
+                export(workload, args.device, out, eager=False, loss_blocks=k, analytic_cuda=args.analytic_cuda)
         return 0
     options = planner_options(args.planner_option)
     step = Path(args.step)

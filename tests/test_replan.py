@@ -79,3 +79,14 @@ def test_a_split_export_plans_with_the_unsplit_steps_eager_facts(exported, tmp_p
     assert sum(v.op == "aten::nll_loss_forward" for v in tg.vertices) == 4
     rows = replan.replan(split, ["0.5"], {})
     assert rows and all(r["loss_blocks"] == 4 for r in rows)
+
+
+def test_without_a_gpu_a_step_is_priced_as_a_cuda_step(tmp_path):
+    """--analytic-cuda: a stand-in for planner experiments on a machine without a GPU."""
+    path = replan.export(make_workload("gpt350m", tiny=True), "cpu", tmp_path, eager=False, analytic_cuda=True)
+    facts = json.loads(path.with_suffix(".json").read_text())
+    tg = load_step(path)
+    assert tg.device == "cuda" and facts["device"] == "cuda" and facts["costs"] == "analytic H100-class"
+    assert facts["host_per_vertex"] > 0  # launches cost host time on the CUDA engine
+    rows = replan.replan(path, ["0.5"], {})
+    assert rows and all(r["simulated_s"] > 0 for r in rows)
