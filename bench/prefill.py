@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 from turnip.bench.options import planner_options
+from turnip.bench.peers.common import release_memory, sync
 from turnip.bench.results import result_path, run_metadata
 from turnip.engine.timing_sim import step_floor, transfer_bytes
 from turnip.ir.budget import parse_budget
@@ -99,27 +100,16 @@ def prefill_fn(model: torch.nn.Module):
     return prefill
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _timed(run, steps: int, warmup: int, device: str) -> tuple[list[float], torch.Tensor]:
     times, out = [], None
     for i in range(warmup + steps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         out = run()
-        _sync(device)
+        sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times, out
-
-
-def _reset_peak(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
 
 
 def _peak(device: str) -> int | None:
@@ -130,7 +120,7 @@ def run_eager(model, ids: torch.Tensor, cfg: PrefillConfig) -> tuple[dict, torch
     row = {"system": "eager", "seq": ids.shape[1], "budget": None}
     fn = prefill_fn(model)
     try:
-        _reset_peak(cfg.device)
+        release_memory(cfg.device)
         model.to(cfg.device)
         on_device = ids.to(cfg.device)
         with torch.no_grad():
@@ -142,7 +132,7 @@ def run_eager(model, ids: torch.Tensor, cfg: PrefillConfig) -> tuple[dict, torch
         return row, None
     finally:
         model.to("cpu")
-        _reset_peak(cfg.device)
+        release_memory(cfg.device)
 
 
 def run_turnip(model, ids: torch.Tensor, budget: str, cfg: PrefillConfig, want: torch.Tensor | None) -> dict:
@@ -150,12 +140,12 @@ def run_turnip(model, ids: torch.Tensor, budget: str, cfg: PrefillConfig, want: 
     fn = prefill_fn(model)
     mg = None
     try:
-        _reset_peak(cfg.device)
+        release_memory(cfg.device)
         started = time.perf_counter()
         mg = memgraph.compile(model, fn, ids, backward=False, budget=_budget(budget), device=cfg.device,
                               verbose=False, **cfg.planner_options)
         row["compile_s"] = time.perf_counter() - started
-        _reset_peak(cfg.device)
+        release_memory(cfg.device)
         times, out = _timed(lambda: engine.run(mg, ids)["output"], cfg.steps, cfg.warmup, cfg.device)
         moved_in, moved_out = transfer_bytes(mg)
         costs = CostModel(device=mg.device)
@@ -173,7 +163,7 @@ def run_turnip(model, ids: torch.Tensor, budget: str, cfg: PrefillConfig, want: 
     finally:
         if mg is not None:
             mg.release()
-        _reset_peak(cfg.device)
+        release_memory(cfg.device)
     return row
 
 
@@ -193,7 +183,7 @@ def run_accelerate(model, ids: torch.Tensor, budget: str, cfg: PrefillConfig, wa
         return row
     copy_of = None
     try:
-        _reset_peak(cfg.device)
+        release_memory(cfg.device)
         copy_of = copy.deepcopy(model)
         device_map = accelerate.infer_auto_device_map(
             copy_of, max_memory={0: parse_budget(budget, None), "cpu": "1000GiB"},
@@ -214,7 +204,7 @@ def run_accelerate(model, ids: torch.Tensor, budget: str, cfg: PrefillConfig, wa
         row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:400])
     finally:
         del copy_of
-        _reset_peak(cfg.device)
+        release_memory(cfg.device)
     return row
 
 

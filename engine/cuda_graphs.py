@@ -10,8 +10,8 @@ scheduler stepping) is captured again; one whose scalars keep changing (RECAPTUR
 times: a scheduler that steps every step) runs as ordinary launches from then on, since a capture
 costs more host time than the launches it saves once. The fused optimizer kernels read their
 learning rate as a host double; their tensor-lr form reads a float32, which would round eager's
-learning rate, so the scalars cannot move to device memory without changing the numbers. Temporaries that ops allocate inside a capture come from
-one private memory pool per stream instance, shared by the segments captured on it, which is safe
+learning rate, so the scalars cannot move to device memory without changing the numbers.
+Temporaries that ops allocate inside a capture come from one private memory pool per stream instance, shared by the segments captured on it, which is safe
 because the work of one stream never runs at the same time; a segment launched on another instance
 of its stream class is captured again there, with that instance's pool.
 

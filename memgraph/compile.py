@@ -126,10 +126,11 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     started = time.perf_counter()
     with Phases(list(PHASES), enabled=verbose) as progress:
         with progress.phase("tracing"):
+            loss_blocks = split_blocks(split)
             tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device,
                        fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type,
                        accumulation_steps=accumulation_steps, backward=backward,
-                       loss_blocks=split_blocks(split), donate=split != "auto")
+                       loss_blocks=loss_blocks, donate=split != "auto")
             traced = None
             if split == "auto":  # kept as traced: its loss head is split if the budget needs it
                 traced, tg = tg, donated(tg)
@@ -148,13 +149,16 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             cpu_bytes = parse_budget(cpu_budget, peak, what="cpu_budget") if cpu_budget is not None else None
             log.debug("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
                       time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
-            loss_blocks = split_blocks(split)
             if traced is not None and planner != "none" and gpu_budget < step_floor(tg, alignment):
                 tg, loss_blocks = split_to_fit(traced, tg, gpu_budget, alignment, costs, progress)
+
+            def key_for(cpu_bytes: int | None) -> str:
+                return plan_key(tg, gpu_budget, cpu_bytes, device=str(device), planner=planner,
+                                options=planner_options, alignment=alignment, costs=costs)
+
             candidates, key, hit = None, None, None
             if gpu_budget < peak and planner != "none" and store is not None:
-                key = plan_key(tg, gpu_budget, cpu_bytes, device=str(device), planner=planner,
-                               options=planner_options, alignment=alignment, costs=costs)
+                key = key_for(cpu_bytes)
                 hit = store.load(key, tg, gpu_budget, cpu_bytes)
             if hit is not None:
                 progress.describe("planning", "cached plan")
@@ -193,8 +197,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                 log.warning("the plan pins %s of host memory; %s: planning again within %s",
                             format_bytes(mg.cpu_bytes), describe_host(), format_bytes(cpu_bytes))
                 progress.describe("building", "planning again within the host's memory")
-                key = plan_key(tg, gpu_budget, cpu_bytes, device=str(device), planner=planner,
-                               options=planner_options, alignment=alignment, costs=costs) if key else None
+                key = key_for(cpu_bytes) if key else None
                 try:
                     mg = build_and_store(plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment,
                                                    progress, planner_options), cpu_bytes, key)

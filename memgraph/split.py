@@ -58,10 +58,6 @@ def _only_readers(tg: TaskGraph, readers: list[list[int]], value: int, allowed: 
     return set(readers[value]) <= allowed and value not in tg.outputs.values()
 
 
-def _refs(vertex: Vertex) -> list[TensorRef]:
-    return [r for r in vertex.args if isinstance(r, TensorRef)]
-
-
 def find_loss_head(tg: TaskGraph) -> LossHead | None:
     """The first loss head of ``tg`` (see the module docstring), or None."""
     heads = find_loss_heads(tg)
@@ -71,31 +67,35 @@ def find_loss_head(tg: TaskGraph) -> LossHead | None:
 def find_loss_heads(tg: TaskGraph) -> list[LossHead]:
     """Every loss head of ``tg``: one per micro-batch of a step that accumulates gradients."""
     readers = tg.consumers()
-    producer = {o: v.id for v in tg.vertices for o in v.outputs if o >= 0}
     heads = []
     for nll in tg.vertices:
         if nll.op != "aten::nll_loss_forward" or nll.args[2] is not None or nll.args[3] not in (REDUCTION_MEAN,
                                                                                               REDUCTION_SUM):
             continue
-        head = _match(tg, nll, readers, producer)
+        head = _match(tg, nll, readers)
         if head is not None:
             heads.append(head)
     return heads
 
 
-def _match(tg: TaskGraph, nll: Vertex, readers, producer) -> LossHead | None:
+def _made_by(tg: TaskGraph, value: int) -> Vertex | None:
+    producer = tg.values[value].producer
+    return tg.vertices[producer] if producer >= 0 else None
+
+
+def _match(tg: TaskGraph, nll: Vertex, readers) -> LossHead | None:
     logp_ref, target_ref = nll.args[0], nll.args[1]
     if not (isinstance(logp_ref, TensorRef) and len(logp_ref.size) == 2 and isinstance(target_ref, TensorRef)):
         return None
     rows, vocab = logp_ref.size
-    ls = tg.vertices[producer.get(logp_ref.value, -1)] if logp_ref.value in producer else None
+    ls = _made_by(tg, logp_ref.value)
     if ls is None or ls.op != "aten::_log_softmax" or ls.args[1] not in (1, -1) or ls.args[2]:
         return None
     x_ref = ls.args[0]
-    before = tg.vertices[producer[x_ref.value]] if x_ref.value in producer else None
+    before = _made_by(tg, x_ref.value)
     cast = None
     if before is not None and before.op == "aten::_to_copy":
-        cast, before = before, tg.vertices[producer.get(before.args[0].value, -1)] if before.args[0].value in producer else None
+        cast, before = before, _made_by(tg, before.args[0].value)
     if before is None or before.op != "aten::mm":
         return None
     mm = before
@@ -131,10 +131,9 @@ def _match(tg: TaskGraph, nll: Vertex, readers, producer) -> LossHead | None:
         return None
     chain = {mm.id, ls.id, nll.id, nb.id, lb.id, mm_weight.id, mm_input.id} | (
         {cast.id, cast_backward.id} if cast is not None else set())
-    y, x = mm.outputs[0], x_ref.value
-    private = [(y, chain), (logp, chain), (nb.outputs[0], chain), (gx, chain), (gy, chain)] + (
-        [(x, chain)] if cast is not None else [])
-    if not all(_only_readers(tg, readers, value, allowed) for value, allowed in private):
+    # the head's intermediates are read by the head alone, so removing it loses nothing
+    private = [mm.outputs[0], logp, nb.outputs[0], gx, gy] + ([x_ref.value] if cast is not None else [])
+    if not all(_only_readers(tg, readers, value, chain) for value in private):
         return None
     return LossHead(mm.id, cast.id if cast else None, ls.id, nll.id, nb.id, lb.id,
                     cast_backward.id if cast_backward else None, mm_weight.id, mm_input.id, rows, vocab)

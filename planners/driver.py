@@ -44,8 +44,8 @@ SECONDS_PER_BINARY = 5e-4
 # it gets 6x longer: about 10 s for the 3,500 binaries of gpt350m or gpt1.3b.
 SECONDS_PER_BINARY_MEASURED = 3e-3
 TIME_LIMIT_FLOOR = 1.0
-SHORT_CHAIN = 1  # plan_candidates' extra problem: recompute chains of at most this many vertices
 TIME_LIMIT_CAP = 60.0
+SHORT_CHAIN = 1  # plan_candidates' extra problem: recompute chains of at most this many vertices
 
 
 def ilp_time_limit(n_binaries: int, measured: bool = False) -> float:
