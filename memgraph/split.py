@@ -6,9 +6,9 @@ gpt350m one of them needs more than 3.8 GiB, which sets the smallest budget the 
 ``split_loss_head(tg, k)`` rewrites that head of a traced step (before buffer donation) into k
 blocks of rows (tokens):
 
-    forward, per block c:  y_c = h_c @ Wt  ->  [cast]  ->  log_softmax  ->  nll_loss (sum) -> s_c, w_c
+    forward, per block c:  y_c = h_c @ Wt  ->  [cast]  ->  log_softmax  ->  [cast]  ->  nll_loss (sum) -> s_c, w_c
                            loss = (s_0 + ... + s_k-1) / (w_0 + ... + w_k-1)     (reduction "mean")
-    backward, per block c: nll_loss_backward(g, L_c, t_c, total_weight) -> log_softmax backward
+    backward, per block c: nll_loss_backward(g, L_c, t_c, total_weight) -> [cast] -> log_softmax backward
                            -> [cast] -> dh_c = gy_c @ W,  dW += gy_c^T @ h_c
                            dh = cat(dh_0, ..., dh_k-1)
 
@@ -18,9 +18,9 @@ the loss's sum, the total weight and the weight gradient (a sum over rows) are a
 block, in another order than eager's single kernels, and under bf16 autocast each block's weight
 gradient is rounded to bf16 before the fp32 sum: the step is then equal to eager within float
 tolerance, not bitwise (tests/test_split.py states the tolerance). The head is recognized by its
-shape at the ATen level (mm, an optional cast, _log_softmax over the last dim, nll_loss_forward
-without class weights, and their backward ops with no other readers); a step without one is left
-alone.
+shape at the ATen level (mm, _log_softmax over the last dim with an optional cast before it (autocast
+on the CPU) or after it (autocast on CUDA), nll_loss_forward without class weights, and their
+backward ops with no other readers); a step without one is left alone.
 """
 
 from __future__ import annotations
@@ -39,15 +39,19 @@ REDUCTION_MEAN, REDUCTION_SUM = 1, 2  # torch's Reduction enum, as nll_loss take
 
 @dataclass
 class LossHead:
-    """The vertices of a recognized loss head (ids in the TaskGraph) and the refs it reads."""
+    """The vertices of a recognized loss head (ids in the TaskGraph) and the refs it reads. Autocast
+    puts its fp32 cast before the log-softmax on the CPU (``cast_in``) and between the log-softmax
+    and the NLL loss on CUDA (``cast_out``); each forward cast has its backward twin."""
 
     mm: int
-    cast: int | None  # y -> fp32 (autocast), or None
+    cast_in: int | None  # y -> fp32 before the log-softmax, or None
     log_softmax: int
+    cast_out: int | None  # log-probabilities -> fp32 before the NLL loss, or None
     nll: int
     nll_backward: int
+    cast_out_backward: int | None  # the NLL gradient -> the log-probabilities' dtype, or None
     log_softmax_backward: int
-    cast_backward: int | None  # gx -> y's dtype (autocast), or None
+    cast_in_backward: int | None  # gx -> y's dtype, or None
     mm_weight: int  # dWt = gy^T @ h
     mm_input: int  # dh = gy @ W
     rows: int
@@ -84,44 +88,50 @@ def _made_by(tg: TaskGraph, value: int) -> Vertex | None:
 
 
 def _match(tg: TaskGraph, nll: Vertex, readers) -> LossHead | None:
-    logp_ref, target_ref = nll.args[0], nll.args[1]
-    if not (isinstance(logp_ref, TensorRef) and len(logp_ref.size) == 2 and isinstance(target_ref, TensorRef)):
+    nll_in, target_ref = nll.args[0], nll.args[1]
+    if not (isinstance(nll_in, TensorRef) and len(nll_in.size) == 2 and isinstance(target_ref, TensorRef)):
         return None
-    rows, vocab = logp_ref.size
-    ls = _made_by(tg, logp_ref.value)
+    rows, vocab = nll_in.size
+    ls = _made_by(tg, nll_in.value)
+    cast_out = None
+    if ls is not None and ls.op == "aten::_to_copy":
+        cast_out, ls = ls, _made_by(tg, ls.args[0].value)
     if ls is None or ls.op != "aten::_log_softmax" or ls.args[1] not in (1, -1) or ls.args[2]:
         return None
     x_ref = ls.args[0]
     before = _made_by(tg, x_ref.value)
-    cast = None
+    cast_in = None
     if before is not None and before.op == "aten::_to_copy":
-        cast, before = before, _made_by(tg, before.args[0].value)
+        cast_in, before = before, _made_by(tg, before.args[0].value)
     if before is None or before.op != "aten::mm":
         return None
     mm = before
     h_ref, wt_ref = mm.args[0], mm.args[1]
     if h_ref.size != (rows, h_ref.size[1]) or wt_ref.size[1] != vocab or tuple(tg.values[mm.outputs[0]].shape) != (rows, vocab):
         return None
-    # the backward: nll_loss_backward -> _log_softmax_backward_data -> [cast] -> the two matmuls
-    total_weight = nll.outputs[1]
-    logp = logp_ref.value
-    nb = [tg.vertices[r] for r in readers[logp] if tg.vertices[r].op == "aten::nll_loss_backward"]
-    lb = [tg.vertices[r] for r in readers[logp] if tg.vertices[r].op == "aten::_log_softmax_backward_data"]
-    if len(nb) != 1 or len(lb) != 1:
+    # the backward: nll_loss_backward -> [cast] -> _log_softmax_backward_data -> [cast] -> the two matmuls
+    total_weight, logp = nll.outputs[1], ls.outputs[0]
+    nb = _only_reader(tg, readers, nll_in.value, "aten::nll_loss_backward")
+    lb = _only_reader(tg, readers, logp, "aten::_log_softmax_backward_data")
+    if nb is None or lb is None:
         return None
-    nb, lb = nb[0], lb[0]
-    if nb.args[1].value != logp or nb.args[6].value != total_weight or nb.args[2] != target_ref \
-            or nb.args[3:6] != nll.args[2:5] or lb.args[0].value != nb.outputs[0]:
+    if nb.args[1].value != nll_in.value or nb.args[6].value != total_weight or nb.args[2] != target_ref \
+            or nb.args[3:6] != nll.args[2:5]:
         return None
-    gx = lb.outputs[0]
-    gy_vertex = lb
-    cast_backward = None
-    if cast is not None:
-        following = [tg.vertices[r] for r in readers[gx]]
-        if len(following) != 1 or following[0].op != "aten::_to_copy":
+    g_logp, cast_out_backward = nb.outputs[0], None
+    if cast_out is not None:
+        cast_out_backward = _sole_reader(tg, readers, g_logp, "aten::_to_copy")
+        if cast_out_backward is None:
             return None
-        cast_backward = gy_vertex = following[0]
-    gy = gy_vertex.outputs[0]
+        g_logp = cast_out_backward.outputs[0]
+    if lb.args[0].value != g_logp or lb.args[1].value != logp:
+        return None
+    gy, cast_in_backward = lb.outputs[0], None
+    if cast_in is not None:
+        cast_in_backward = _sole_reader(tg, readers, gy, "aten::_to_copy")
+        if cast_in_backward is None:
+            return None
+        gy = cast_in_backward.outputs[0]
     mms = [tg.vertices[r] for r in readers[gy]]
     if len(mms) != 2 or any(v.op != "aten::mm" for v in mms):
         return None
@@ -129,14 +139,27 @@ def _match(tg: TaskGraph, nll: Vertex, readers) -> LossHead | None:
     mm_weight, mm_input = by_first.get((vocab, rows)), by_first.get((rows, vocab))
     if mm_weight is None or mm_input is None or mm_weight.args[1] != h_ref or mm_input.args[0].size != (rows, vocab):
         return None
-    chain = {mm.id, ls.id, nll.id, nb.id, lb.id, mm_weight.id, mm_input.id} | (
-        {cast.id, cast_backward.id} if cast is not None else set())
+    casts = [c for c in (cast_in, cast_out, cast_out_backward, cast_in_backward) if c is not None]
+    chain = {mm.id, ls.id, nll.id, nb.id, lb.id, mm_weight.id, mm_input.id} | {c.id for c in casts}
     # the head's intermediates are read by the head alone, so removing it loses nothing
-    private = [mm.outputs[0], logp, nb.outputs[0], gx, gy] + ([x_ref.value] if cast is not None else [])
+    private = [mm.outputs[0], logp, nb.outputs[0], lb.outputs[0]] + [c.outputs[0] for c in casts]
     if not all(_only_readers(tg, readers, value, chain) for value in private):
         return None
-    return LossHead(mm.id, cast.id if cast else None, ls.id, nll.id, nb.id, lb.id,
-                    cast_backward.id if cast_backward else None, mm_weight.id, mm_input.id, rows, vocab)
+    ids = [c.id if c is not None else None for c in (cast_in, cast_out, cast_out_backward, cast_in_backward)]
+    return LossHead(mm.id, ids[0], ls.id, ids[1], nll.id, nb.id, ids[2], lb.id, ids[3], mm_weight.id, mm_input.id,
+                    rows, vocab)
+
+
+def _only_reader(tg: TaskGraph, readers, value: int, op: str) -> Vertex | None:
+    """The one reader of ``value`` running ``op`` (others may read it too), or None."""
+    found = [tg.vertices[r] for r in readers[value] if tg.vertices[r].op == op]
+    return found[0] if len(found) == 1 else None
+
+
+def _sole_reader(tg: TaskGraph, readers, value: int, op: str) -> Vertex | None:
+    """The reader of ``value`` when it has exactly one and it runs ``op``, else None."""
+    found = [tg.vertices[r] for r in readers[value]]
+    return found[0] if len(found) == 1 and found[0].op == op else None
 
 
 def _rows(ref: TensorRef, start: int, stop: int) -> TensorRef:
@@ -201,20 +224,38 @@ class _HeadRewrite:
 
     def __init__(self, tg: TaskGraph, head: LossHead, blocks: list[tuple[int, int]], writer: _Writer):
         v = tg.vertices
+
+        def vertex(vid: int | None) -> Vertex | None:
+            return v[vid] if vid is not None else None
+
         self.tg, self.head, self.blocks, self.w = tg, head, blocks, writer
         self.mm, self.ls, self.nll = v[head.mm], v[head.log_softmax], v[head.nll]
-        self.cast = v[head.cast] if head.cast is not None else None
+        self.cast_in, self.cast_out = vertex(head.cast_in), vertex(head.cast_out)
         self.nb, self.lb = v[head.nll_backward], v[head.log_softmax_backward]
-        self.cast_b = v[head.cast_backward] if head.cast_backward is not None else None
+        self.cast_out_b, self.cast_in_b = vertex(head.cast_out_backward), vertex(head.cast_in_backward)
         self.mm_w, self.mm_h = v[head.mm_weight], v[head.mm_input]
-        self.removed = {x.id for x in (self.mm, self.cast, self.ls, self.nll, self.nb, self.lb, self.cast_b,
-                                       self.mm_w, self.mm_h) if x is not None}
+        self.removed = {x.id for x in (self.mm, self.cast_in, self.ls, self.cast_out, self.nll, self.nb,
+                                       self.cast_out_b, self.lb, self.cast_in_b, self.mm_w, self.mm_h) if x is not None}
         self.forward_at, self.backward_at = self.nll.id, max(self.mm_w.id, self.mm_h.id)
         self.h_ref, self.wt_ref, self.target_ref = self.mm.args[0], self.mm.args[1], self.nll.args[1]
-        self.y_dtype = tg.values[self.mm.outputs[0]].dtype
-        self.x_dtype = tg.values[self.cast.outputs[0]].dtype if self.cast is not None else self.y_dtype
+
+        def dtype(x: Vertex) -> torch.dtype:
+            return tg.values[x.outputs[0]].dtype
+
+        self.y_dtype = dtype(self.mm)  # the matmul's
+        self.x_dtype = dtype(self.cast_in) if self.cast_in is not None else self.y_dtype  # the log-softmax's
+        self.l_dtype = dtype(self.cast_out) if self.cast_out is not None else self.x_dtype  # the NLL loss's
         self.results = {*self.nll.outputs, self.mm_w.outputs[0], self.mm_h.outputs[0]}
-        self.logps: list[int] = []
+        self.logps: list[int] = []  # per block: the log-softmax's result, which its backward reads
+        self.nll_ins: list[int] = []  # per block: what the NLL loss read (logp, or its fp32 cast)
+
+    def _cast(self, like: Vertex | None, value: int, shape: tuple, dtype: torch.dtype) -> int:
+        """``value`` through the cast vertex ``like`` (a new value), or ``value`` itself without one."""
+        if like is None:
+            return value
+        out = self.w.value(shape, dtype)
+        self.w.op(like, "aten::_to_copy", (self.w.dense(value),), like.kwargs, outputs=(out,))
+        return out
 
     def forward(self) -> None:
         w, head, nll = self.w, self.head, self.nll
@@ -222,24 +263,23 @@ class _HeadRewrite:
         loss, total_weight = nll.outputs
         sums, weights = [], []
         for a, b in self.blocks:
-            n = b - a
-            y = w.value((n, head.vocab), self.y_dtype)
+            shape = (b - a, head.vocab)
+            y = w.value(shape, self.y_dtype)
             w.op(self.mm, "aten::mm", (_rows(self.h_ref, a, b), self.wt_ref), outputs=(y,))
-            x = y
-            if self.cast is not None:
-                x = w.value((n, head.vocab), self.x_dtype)
-                w.op(self.cast, "aten::_to_copy", (w.dense(y),), self.cast.kwargs, outputs=(x,))
-            logp = w.value((n, head.vocab), self.x_dtype)
+            x = self._cast(self.cast_in, y, shape, self.x_dtype)
+            logp = w.value(shape, self.x_dtype)
             w.op(self.ls, "aten::_log_softmax", (w.dense(x), *self.ls.args[1:]), outputs=(logp,))
             self.logps.append(logp)
-            s, t = w.value((), self.x_dtype), w.value((), self.x_dtype)
-            w.op(nll, "aten::nll_loss_forward", (w.dense(logp), _rows(self.target_ref, a, b), None, REDUCTION_SUM,
+            nll_in = self._cast(self.cast_out, logp, shape, self.l_dtype)
+            self.nll_ins.append(nll_in)
+            s, t = w.value((), self.l_dtype), w.value((), self.l_dtype)
+            w.op(nll, "aten::nll_loss_forward", (w.dense(nll_in), _rows(self.target_ref, a, b), None, REDUCTION_SUM,
                                                  ignore_index), outputs=(s, t))
             sums.append(s)
             weights.append(t)
         _sum_into(w, nll, weights, total_weight)
         if reduction == REDUCTION_MEAN:
-            total = w.value((), self.x_dtype)
+            total = w.value((), self.l_dtype)
             _sum_into(w, nll, sums, total)
             w.op(nll, "aten::div.Tensor", (w.dense(total), w.dense(total_weight)), outputs=(loss,))
         else:
@@ -251,19 +291,19 @@ class _HeadRewrite:
         dw_value = mm_w.outputs[0]
         dw_shape, dw_dtype = tuple(self.tg.values[dw_value].shape), self.tg.values[dw_value].dtype
         acc_dtype = torch.float32 if dw_dtype in (torch.bfloat16, torch.float16) else dw_dtype
-        for c, ((a, b), logp) in enumerate(zip(self.blocks, self.logps, strict=True)):
+        blocks = zip(self.blocks, self.logps, self.nll_ins, strict=True)
+        for c, ((a, b), logp, nll_in) in enumerate(blocks):
             n = b - a
+            shape = (n, head.vocab)
             last = c == len(self.blocks) - 1
-            g_logp = w.value((n, head.vocab), self.x_dtype)
-            w.op(nb, "aten::nll_loss_backward", (nb.args[0], w.dense(logp), _rows(self.target_ref, a, b),
-                                                 *nb.args[3:6], nb.args[6]), outputs=(g_logp,))
-            gx = w.value((n, head.vocab), self.x_dtype)
+            g_nll_in = w.value(shape, self.l_dtype)
+            w.op(nb, "aten::nll_loss_backward", (nb.args[0], w.dense(nll_in), _rows(self.target_ref, a, b),
+                                                 *nb.args[3:6], nb.args[6]), outputs=(g_nll_in,))
+            g_logp = self._cast(self.cast_out_b, g_nll_in, shape, self.x_dtype)
+            gx = w.value(shape, self.x_dtype)
             w.op(lb, "aten::_log_softmax_backward_data", (w.dense(g_logp), w.dense(logp), *lb.args[2:]),
                  outputs=(gx,))
-            gy = gx
-            if self.cast_b is not None:
-                gy = w.value((n, head.vocab), self.y_dtype)
-                w.op(self.cast_b, "aten::_to_copy", (w.dense(gx),), self.cast_b.kwargs, outputs=(gy,))
+            gy = self._cast(self.cast_in_b, gx, shape, self.y_dtype)
             dh = w.value((n, mm_h.args[1].size[1]), self.tg.values[mm_h.outputs[0]].dtype)
             w.op(mm_h, "aten::mm", (w.dense(gy), mm_h.args[1]), outputs=(dh,))
             dh_blocks.append(dh)

@@ -67,6 +67,34 @@ def test_split_under_bf16_autocast_within_bf16_precision(gpt):
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-2 * scale, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_the_cuda_autocast_head_splits_too(gpt):
+    """On CUDA, autocast runs the log-softmax in bf16 and casts its result to fp32 for the NLL loss
+    (the CPU casts the logits before the log-softmax): the same head with the cast after it, written
+    out on the CPU, is found and split, within bf16's precision as above."""
+    import torch.nn.functional as F
+
+    model, _loss, batches = gpt
+
+    def cuda_form(m, batch):
+        idx, targets = batch
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = m(idx)
+        logp = torch.log_softmax(logits.reshape(-1, logits.shape[-1]), -1)  # bf16, as CUDA autocast leaves it
+        return F.nll_loss(logp.float(), targets.reshape(-1))
+
+    tg = TRACE.trace(model, cuda_form, batches[0], device="cpu", donate=False)
+    head = find_loss_head(tg)
+    assert head is not None and head.cast_in is None and head.cast_out is not None
+    assert head.cast_out_backward is not None and head.cast_in_backward is None
+    loss, want, _ = grads(model, cuda_form, batches[0], "off")
+    got_loss, got, mg = grads(model, cuda_form, batches[0], 4)
+    assert sum(v.op == "aten::nll_loss_forward" for v in mg.taskgraph.vertices) == 4
+    torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+    for name in want:
+        scale = want[name].abs().max().item()
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-2 * scale, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("budget", [None, 0.4])
 @pytest.mark.parametrize("ordering", ["nondeterministic", "deterministic"])
 def test_split_training_matches_eager_within_tolerance(gpt, budget, ordering):
