@@ -18,7 +18,11 @@ launched on one stream waits (``cudaStreamWaitEvent``) for every predecessor
 on another stream that has not been seen finished. Transfers are reported
 only when really finished, so a compute vertex is launched only once its
 reloaded inputs are there: the loop still picks, at run time, whichever
-compute is ready instead of queueing behind a slow copy.
+compute is ready instead of queueing behind a slow copy. With
+``engine.run(..., transfer_ahead=k)`` a copy stream also reports its first k
+unfinished copies at enqueue, so the next copy (and what reads it) is queued
+behind the running one on the device instead of waiting for the host to see
+it end; the same events keep every edge.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from turnip.engine.cuda_graphs import SegmentGraphs
 from turnip.engine.errors import EngineError
 from turnip.engine.host_memory import describe_host, host_memory
 from turnip.engine.loop import Completion, Launch
+from turnip.engine.resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD
 from turnip.engine.runtime import InputBinding, OutputBinding, Runtime
 from turnip.ir.budget import format_bytes
 from turnip.ir.memgraph import MemGraph, Stream
@@ -42,7 +47,7 @@ from turnip.kernels.step import RngReplay, StepContext
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DEPTH = 16  # unfinished compute vertices a stream may hold before the loop waits
+DEFAULT_DEPTH = CUDA_LAUNCH_AHEAD  # unfinished compute vertices a stream may hold before the loop waits
 
 
 class EventCompletions:
@@ -69,9 +74,10 @@ class EventCompletions:
 class Lane:
     """One CUDA stream and the vertices it holds that have not finished, oldest first."""
 
-    def __init__(self, stream: torch.cuda.Stream, early: bool):
+    def __init__(self, stream: torch.cuda.Stream, compute: bool, depth: int):
         self.stream = stream
-        self.early = early  # compute: report to the loop at launch, within the depth
+        self.compute = compute
+        self.depth = depth  # vertices reported to the loop at launch while still unfinished (0: none)
         self.in_flight: collections.deque = collections.deque()
         self.unreported: collections.deque = collections.deque()  # launched, not yet told to the loop
         self.reported_in_flight = 0
@@ -82,6 +88,7 @@ class CudaRuntime(Runtime):
 
     def __init__(self, mg: MemGraph, depth: int = DEFAULT_DEPTH):
         self.depth = depth
+        self.transfer_depth = CUDA_TRANSFER_AHEAD  # set per step by engine.run's transfer_ahead
         self.mg = mg
         super().__init__(mg)
         n = self.graph.n
@@ -127,6 +134,7 @@ class CudaRuntime(Runtime):
             lane.in_flight.clear()
             lane.unreported.clear()
             lane.reported_in_flight = 0
+            lane.depth = self.depth if lane.compute else self.transfer_depth
         self.completions.ready.clear()
         self._caller_stream = self._current = torch.cuda.current_stream()
         self._batch_ready.record()  # the batch may come from work queued on the caller's stream
@@ -196,7 +204,9 @@ class CudaRuntime(Runtime):
         lane = self.lanes.get((item.key, item.instance))
         if lane is None:
             stream_class, dev = self.graph.keys[item.key]
-            lane = Lane(torch.cuda.Stream(device=torch.device("cuda", dev)), stream_class is Stream.COMPUTE)
+            compute = stream_class is Stream.COMPUTE
+            lane = Lane(torch.cuda.Stream(device=torch.device("cuda", dev)), compute,
+                        self.depth if compute else self.transfer_depth)
             self.lanes[(item.key, item.instance)] = lane
         return lane
 
@@ -228,7 +238,7 @@ class CudaRuntime(Runtime):
         # stream could take those bytes while it still runs: the loop frees its workspace on the
         # report. With one compute stream per device the next temporaries are allocated in stream
         # order behind it, so reporting early is safe.
-        if lane.early and lane.reported_in_flight < self.depth and (self.shared_workspace or not self.graph.needs[vid]):
+        if lane.reported_in_flight < lane.depth and (self.shared_workspace or not self.graph.needs[vid]):
             lane.reported_in_flight += 1
             self.reported[vid] = 1
             self.completions.ready.append(Completion(vid, None, 0.0, 0.0))
@@ -238,7 +248,7 @@ class CudaRuntime(Runtime):
     def poll(self) -> bool:
         """Retire finished vertices at the heads of the lanes; True if the loop has news."""
         moved = False
-        events, reported, ready, depth = self.events, self.reported, self.completions.ready, self.depth
+        events, reported, ready = self.events, self.reported, self.completions.ready
         for lane in self.lanes.values():
             q = lane.in_flight
             while q and events[q[0]].query():
@@ -251,9 +261,9 @@ class CudaRuntime(Runtime):
                     reported[vid] = 1
                     ready.append(Completion(vid, None, 0.0, time.perf_counter()))
                     moved = True
-            if lane.early:
+            if lane.depth:
                 needs = self.graph.needs
-                while (lane.unreported and lane.reported_in_flight < depth
+                while (lane.unreported and lane.reported_in_flight < lane.depth
                        and (self.shared_workspace or not needs[lane.unreported[0]])):
                     vid = lane.unreported.popleft()
                     reported[vid] = 1

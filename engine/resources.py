@@ -40,6 +40,23 @@ DEFAULT_STREAMS = {
 }
 
 
+# Vertices a CUDA stream reports to the loop at launch, before they finish (engine/cuda.py): compute
+# kernels queue up so the host runs ahead of the GPU; a copy queued behind the running one starts
+# without waiting for the host to see that one end (engine.run's transfer_ahead).
+CUDA_LAUNCH_AHEAD = 16
+CUDA_TRANSFER_AHEAD = 0
+
+
+def transfer_depth(device_type: str, transfer_ahead: int | None) -> int:
+    """Copies reported at enqueue per copy stream: ``transfer_ahead``, else the backend's default."""
+    if transfer_ahead is None:
+        return CUDA_TRANSFER_AHEAD if device_type == "cuda" else 0
+    if isinstance(transfer_ahead, bool) or not isinstance(transfer_ahead, int) or transfer_ahead < 0:
+        raise ValueError(f"transfer_ahead must be a whole number of copies >= 0 (0: report each copy when it "
+                         f"ends), got {transfer_ahead!r}")
+    return transfer_ahead
+
+
 def stream_counts(device_type: str, overrides: dict | None = None) -> dict[Stream, int]:
     """Default counts for the backend, updated with ``overrides`` ({"compute": 4} or {Stream.H2D: 2})."""
     counts = dict(DEFAULT_STREAMS.get(device_type, DEFAULT_STREAMS["cpu"]))

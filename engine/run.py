@@ -25,7 +25,7 @@ from turnip.engine.chrome_trace import write_trace
 from turnip.engine.errors import BatchError, EngineError
 from turnip.engine.loop import Record, Scheduler, drive
 from turnip.engine.policy import Policy, make_policy
-from turnip.engine.resources import StreamPool, WorkspacePool, stream_counts
+from turnip.engine.resources import StreamPool, WorkspacePool, stream_counts, transfer_depth
 from turnip.ir.memgraph import MemGraph, Stream
 from turnip.ir.optimizer import mark_stepped
 from turnip.ir.taskgraph import batch_leaf_names, flatten_batch_structure
@@ -159,7 +159,7 @@ def get_runtime(mg: MemGraph):
 
 
 def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace: str | Path | None = None,
-        seed: int | None = None, streams: dict | None = None) -> dict:
+        seed: int | None = None, streams: dict | None = None, transfer_ahead: int | None = None) -> dict:
     """Run one training step of ``mg`` on ``batch``; return its outputs (``out["loss"]``).
 
     A MemGraph compiled with accumulation_steps=k takes a list of k micro-batches, each like the
@@ -169,6 +169,9 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
     "deterministic" (mg.serial order within each stream class), "random" (seeded random
     priorities, for fuzzing), or a Policy. trace: path of a Chrome/Perfetto JSON trace.
     streams: stream instances per class, e.g. {"compute": 4, "h2d": 2}.
+    transfer_ahead: on CUDA, copies each copy stream reports to the loop when enqueued rather than
+    when finished (None: the backend's default, engine.resources.CUDA_TRANSFER_AHEAD), so the next
+    copy waits on the device, not on the host, for the one before; the order stays the loop's.
     """
     policy = make_policy(ordering, seed)
     leaves = flatten_batch(mg, batch)
@@ -177,6 +180,7 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
     runtime = get_runtime(mg)
     runtime.check_consistent()
     counts = stream_counts(runtime.device_type, streams)
+    copies_ahead = transfer_depth(runtime.device_type, transfer_ahead)
     with runtime.lock:
         graph = runtime.graph
         pool = StreamPool([counts[stream] for stream, _ in graph.keys])
@@ -187,6 +191,7 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
         # fuzzing: random orders also get random worker delays where a backend supports them
         runtime.fuzz_seed = getattr(policy, "seed", None) if policy.name == "random" else None
         runtime.timing = trace is not None  # device timestamps cost events: only when tracing
+        runtime.transfer_depth = copies_ahead
         # one compute stream per device: no two vertices' op workspaces are ever in use at once
         runtime.shared_workspace = all(n == 1 for (stream, _), n in zip(graph.keys, pool.sizes)
                                        if stream is Stream.COMPUTE)

@@ -103,6 +103,7 @@ class Runtime:
         self._output_names = {vid: name for name, vid in mg.taskgraph.outputs.items()}
         self.fuzz_seed: int | None = None  # set per step by engine.run for random orderings
         self.timing = False  # set per step by engine.run when a trace is wanted
+        self.transfer_depth = 0  # set per step by engine.run: copies reported at enqueue (CUDA)
         self._ranks: dict[str, list[int]] = {}
         self.last_records: list = []  # Record of the last step (for traces and tests)
         self.last_launch_order: list[int] = []

@@ -25,7 +25,9 @@ StreamPool / WorkspacePool decides every launch, exactly as
   complete to the loop when it is launched, while its stream holds fewer than
   ``launch_ahead`` unreported-finished vertices; it queues FIFO on its stream and
   really starts when the stream is free and every predecessor has really
-  finished (cudaStreamWaitEvent). Transfers are reported when really finished.
+  finished (cudaStreamWaitEvent). Transfers are reported when really finished, or, with
+  ``transfer_ahead`` = k, the first k unfinished copies of each copy stream at launch, as on the
+  device.
   A vertex launched early behind a slow one (an offload after a queued kernel)
   holds its stream instance from launch to report, as on the device.
 - Host. The loop thread is one serial resource: every launch, compute or
@@ -71,7 +73,7 @@ from turnip.engine.decode import per_vertex
 from turnip.engine.errors import StallError
 from turnip.engine.loop import Record, Scheduler, StaticGraph
 from turnip.engine.policy import Policy, make_policy
-from turnip.engine.resources import StreamPool, WorkspacePool, stream_counts
+from turnip.engine.resources import CUDA_LAUNCH_AHEAD, StreamPool, WorkspacePool, stream_counts, transfer_depth
 from turnip.engine.runtime import arena_devices, workspace_capacity
 from turnip.ir.memgraph import Kind, MemGraph, MVertex, Stream
 
@@ -80,7 +82,6 @@ log = logging.getLogger(__name__)
 # Same figures as planners.costs.H100 (kept here so the simulator needs no planner module).
 DEFAULT_BANDWIDTH = 50e9  # pinned host <-> device bytes/s, each direction
 DEFAULT_HBM = 3e12  # device memory bytes/s, for COPY vertices
-CUDA_LAUNCH_AHEAD = 16  # engine.cuda.DEFAULT_DEPTH (not imported: that module is the CUDA backend)
 
 
 class Span(NamedTuple):
@@ -262,10 +263,10 @@ def step_floor(mg: MemGraph, costs: Any = None, bandwidth: Any = None, *, host_p
 class _Lane:
     """One stream instance: launched vertices in FIFO order, the one running, launch-ahead counters."""
 
-    __slots__ = ("early", "name", "pool", "queue", "reported", "running", "unreported")
+    __slots__ = ("depth", "name", "pool", "queue", "reported", "running", "unreported")
 
-    def __init__(self, name: str, pool: tuple, early: bool):
-        self.name, self.pool, self.early = name, pool, early
+    def __init__(self, name: str, pool: tuple, depth: int):
+        self.name, self.pool, self.depth = name, pool, depth  # depth: vertices reported at launch (0: none)
         self.queue: collections.deque[int] = collections.deque()  # launched, not started
         self.running = -1
         self.reported = 0  # early-reported vertices not yet finished
@@ -276,8 +277,9 @@ class _Sim:
     EPS = 1e-15  # seconds: remaining work below this counts as done (float residue of the sharing)
 
     def __init__(self, mg: MemGraph, sched: Scheduler, durations: list[float], duplex: bool, depth: int,
-                 host: float = 0.0):
+                 host: float = 0.0, transfer_depth: int = 0):
         self.mg, self.s, self.dur, self.depth, self.host = mg, sched, durations, depth, host
+        self.transfer_depth = transfer_depth
         g = sched.g
         self.g = g
         self.pending = list(g.indegree)  # predecessors not really finished
@@ -305,7 +307,7 @@ class _Sim:
             stream, dev = self.g.keys[key]
             pool_name = stream.value if (self.duplex or stream is Stream.COMPUTE) else "link"
             name = f"{stream.value} {inst}" + (f" @{dev}" if dev else "")
-            lane = _Lane(name, (pool_name, dev), stream is Stream.COMPUTE and self.depth > 0)
+            lane = _Lane(name, (pool_name, dev), self.depth if stream is Stream.COMPUTE else self.transfer_depth)
             self.lanes[(key, inst)] = lane
         return lane
 
@@ -321,8 +323,8 @@ class _Sim:
             self.host_free = self.ready_at[vid] = begin + self.host
             self.host_busy += self.host
             lane.queue.append(vid)
-            if lane.early:
-                if lane.reported < self.depth:
+            if lane.depth:
+                if lane.reported < lane.depth:
                     lane.reported += 1
                     self._report(vid, self.completions)  # at launch, as engine/cuda.py's launch
                 else:
@@ -382,7 +384,7 @@ class _Sim:
             if lane.unreported and lane.unreported[0] == vid:
                 lane.unreported.popleft()
             self._report(vid, self.unpolled)
-        while lane.early and lane.unreported and lane.reported < self.depth:
+        while lane.depth and lane.unreported and lane.reported < lane.depth:
             lane.reported += 1
             self._report(lane.unreported.popleft(), self.unpolled)
 
@@ -429,7 +431,7 @@ class _Sim:
 def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str | Policy = "nondeterministic",
              seed: int = 0, streams: dict | None = None, bandwidth: Any = None, *, duplex: bool = True,
              backend: str = "cuda", launch_ahead: int | None = None, overhead: float = 0.0,
-             host_per_vertex: float | None = None) -> SimResult:
+             host_per_vertex: float | None = None, transfer_ahead: int | None = None) -> SimResult:
     """Simulate one step of ``mg``; see the module docstring for the model.
 
     costs: None (TaskGraph vertex.time), {MemGraph vertex id: seconds}, or a planners.costs.CostModel.
@@ -439,6 +441,7 @@ def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str
     bandwidth: bytes/s, one number or (h2d, d2h) or {"h2d":, "d2h":}; default the cost model's, else 50 GB/s.
     duplex: False puts both directions on one shared link. backend: "cuda" or "cpu" (stream counts,
     launch-ahead). launch_ahead: unreported compute vertices per stream (None: backend default, 0: off).
+    transfer_ahead: copies a copy stream reports at enqueue, as engine.run's (None: the backend's default).
     overhead: seconds added to every vertex's device time (kept for old callers; host_per_vertex models
     the loop's cost, see the module docstring for how the two differ).
     host_per_vertex: host seconds per launch on the one loop thread; None: the cost model's (host_seconds).
@@ -459,7 +462,7 @@ def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str
         z = np.random.default_rng(seed).standard_normal(len(durations))
         durations = (np.asarray(durations) * np.exp(jitter * z - jitter * jitter / 2)).tolist()
     depth = (CUDA_LAUNCH_AHEAD if backend == "cuda" else 0) if launch_ahead is None else int(launch_ahead)
-    sim = _Sim(mg, sched, durations, duplex, depth, host)
+    sim = _Sim(mg, sched, durations, duplex, depth, host, transfer_depth(backend, transfer_ahead))
     sim.run()
 
     head = graph.head  # units are named by their first vertex

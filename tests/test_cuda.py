@@ -66,6 +66,23 @@ def test_cuda_engine_matches_eager(model_name, budget, ordering):
     assert_same_state(mg.state_dict(), want_state, exact=False, **CUDA_TOL)
 
 
+@pytest.mark.parametrize("transfer_ahead", [1, 4])
+@pytest.mark.parametrize("ordering", ["nondeterministic", "random"])
+def test_copies_reported_at_enqueue_keep_every_edge(transfer_ahead, ordering):
+    """transfer_ahead: the loop goes on while copies run, their order kept by device-side waits only;
+    a missing wait would show as a wrong reload (a slot read before its offload ended)."""
+    model, loss_fn, batches = make_case("gpt", dropout=0.1, device="cuda")
+    want_losses, want_state = eager_steps(model, loss_fn, batches, adamw)
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(trainable(model)),
+                          budget=budget_bytes(model, loss_fn, batches[0], 0.25), device="cuda")
+    assert sum(v.kind.value == "reload" for v in mg.vertices) > 0
+    torch.manual_seed(123)
+    losses = [engine.run(mg, b, ordering=ordering, seed=7, transfer_ahead=transfer_ahead)["loss"].item()
+              for b in batches]
+    assert losses == pytest.approx([x.item() for x in want_losses], rel=1e-4)
+    assert_same_state(mg.state_dict(), want_state, exact=False, **CUDA_TOL)
+
+
 def test_steps_after_the_first_two_allocate_nothing():
     """The first step makes library handles, the second captures the segments' CUDA graphs (their
     temporaries come from private pools); then nothing is allocated."""

@@ -493,3 +493,23 @@ def test_compile_keeps_the_candidate_the_simulator_runs_fastest():
     candidates = best.stats["simulated_candidates"]
     assert set(candidates) == {"tight#0", "roomy#1"} and candidates["roomy#1"] < candidates["tight#0"]
     assert best.stats["simulated_step_s"] == candidates["roomy#1"]
+
+
+@pytest.mark.parametrize("transfer_ahead, step_ms", [(0, 6.0), (1, 4.5), (3, 4.5)])
+def test_transfer_ahead_queues_the_next_copy_behind_the_running_one(transfer_ahead, step_ms):
+    # four 1 ms reloads on one h2d stream, 0.5 ms of host per launch. Reported only when done, each
+    # copy waits for the host to see the one before end and launch it: 0.5 + 4 x 1.5 ms. Reported at
+    # enqueue, the next is already queued when one ends: back to back after the first launch.
+    h = Hand()
+    reloads = [h.transfer(Kind.RELOAD, 1) for _ in range(4)]
+    res = simulate(h.done(), bandwidth=BW, streams={"h2d": 1}, host_per_vertex=0.5 * MS, transfer_ahead=transfer_ahead)
+    assert res.step_time == pytest.approx(step_ms * MS)
+    assert [starts(res)[r] for r in reloads] == sorted(starts(res)[r] for r in reloads)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_transfer_ahead_must_be_a_count(bad):
+    h = Hand()
+    h.transfer(Kind.RELOAD, 1)
+    with pytest.raises(ValueError, match="transfer_ahead"):
+        simulate(h.done(), bandwidth=BW, transfer_ahead=bad)

@@ -1,0 +1,144 @@
+"""One compiled MemGraph run under several engine settings, alternating, beside eager in the same process.
+
+    python -m turnip.bench.engine_variants --model gpt350m --budgets 0.5,0.25 --transfer-ahead 0,1,4 \\
+        [--orderings nondeterministic,deterministic] [--rounds 6] [--planner-option time_limit=8]
+    python -m turnip.bench.engine_variants --tiny          # CPU, a small GPT: checks the command, no timings
+
+A MemGraph fixes what runs and where; the engine still chooses how: the ordering (issue: the ordering
+ablation) and how many copies each copy stream reports to the loop at enqueue (``engine.run``'s
+``transfer_ahead``). Each budget (a fraction of eager's peak measured here, as the suite's) is compiled
+once; then every round runs each setting once, the settings' order rotated per round, so drift and
+warm-up fall on all of them alike. Per setting: median, min and max step time, the losses (the same
+MemGraph must give the same numbers in any setting), and the timing simulator's prediction of that
+setting from the same op costs. Writes ``engine_variants_<model>.json`` under bench/results (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from turnip.bench.models.sizes import make_workload
+from turnip.bench.options import planner_options
+from turnip.bench.peers.common import sync, trainable
+from turnip.bench.peers.isolated import resolve
+from turnip.bench.results import result_path, run_metadata
+from turnip.engine.timing_sim import simulate
+from turnip.planners.costs import default_costs
+
+from turnip import engine, memgraph
+
+log = logging.getLogger(__name__)
+
+
+def settings(orderings: list[str], transfer_ahead: list[int]) -> list[dict]:
+    return [{"ordering": o, "transfer_ahead": k} for o, k in itertools.product(orderings, transfer_ahead)]
+
+
+def label(setting: dict) -> str:
+    return f"{setting['ordering']}, transfer_ahead={setting['transfer_ahead']}"
+
+
+def run_budget(workload, device: str, budget: float, variants: list[dict], rounds: int, options: dict,
+               deadline: float) -> dict:
+    batch = workload.batch_on(device)
+    started = time.perf_counter()
+    mg = memgraph.compile(workload.model, workload.loss_fn, batch, optimizer=workload.optimizer(
+        trainable(workload.model)), budget=budget, device=device, verbose=False, **options)
+    compile_s = time.perf_counter() - started
+    times = {label(s): [] for s in variants}
+    losses = {label(s): [] for s in variants}
+    engine.run(mg, batch)  # warm-up: arena, pinned storage, segment capture
+    engine.run(mg, batch)
+    for r in range(rounds):
+        if time.monotonic() > deadline:
+            log.warning("time limit after %d rounds", r)
+            break
+        shift = r % len(variants)
+        for setting in variants[shift:] + variants[:shift]:
+            sync(device)
+            t0 = time.perf_counter()
+            out = engine.run(mg, batch, ordering=setting["ordering"], transfer_ahead=setting["transfer_ahead"])
+            sync(device)
+            times[label(setting)].append(time.perf_counter() - t0)
+            losses[label(setting)].append(float(out["loss"]))
+        log.info("round %d: %s", r, ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items() if v))
+    costs = default_costs(mg.taskgraph)
+    rows = []
+    for setting in variants:
+        t = sorted(times[label(setting)])
+        sim = simulate(mg, costs, ordering=setting["ordering"], transfer_ahead=setting["transfer_ahead"],
+                       backend=device)
+        rows.append({**setting, "step_s": times[label(setting)], "losses": losses[label(setting)],
+                     "median_s": statistics.median(t) if t else None, "min_s": t[0] if t else None,
+                     "max_s": t[-1] if t else None, "sim_step_s": sim.step_time,
+                     "sim_compute_idle_s": sim.compute_idle})
+    summary = mg.summary()
+    mg.release()
+    return {"budget": budget, "compile_s": compile_s, "vertices": summary["vertices"],
+            "bytes_reloaded": summary["bytes_reloaded"], "bytes_offloaded": summary["bytes_offloaded"], "stats": {k: v for k, v in mg.stats.items()
+                                                                 if isinstance(v, (int, float, str))},
+            "settings": rows}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m turnip.bench.engine_variants",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gpt350m")
+    parser.add_argument("--budgets", default="0.5", help="comma-separated fractions of eager's measured peak")
+    parser.add_argument("--transfer-ahead", default="0,2", help="comma-separated copies reported at enqueue")
+    parser.add_argument("--orderings", default="nondeterministic")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--device", default=None, help="default: cuda when available")
+    parser.add_argument("--tiny", action="store_true", help="a small model on the CPU (checks the command)")
+    parser.add_argument("--time-limit", type=float, default=400.0, help="seconds for all rounds")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    variants = settings([o for o in args.orderings.split(",") if o],
+                        [int(k) for k in args.transfer_ahead.split(",") if k])
+    workload = make_workload(args.model, tiny=args.tiny)
+    eager = resolve("eager")(workload, device, 5, warmup=2)
+    if eager.status != "ok":
+        print(f"eager failed: {eager.error}", file=sys.stderr)
+        return 1
+    eager_stats = eager.stats()
+    deadline = time.monotonic() + args.time_limit
+    doc = {"benchmark": "engine_variants", **run_metadata(), "model": workload.name, "device_type": device,
+           "eager_step_s": eager_stats.get("step_s_median"), "eager_peak_allocated": eager.peak_allocated,
+           "budgets": {}}
+    for text in [b for b in args.budgets.split(",") if b]:
+        fraction = float(text)
+        # without a measured peak (the CPU) the fraction is of the unplanned peak, as compile reads it
+        budget_bytes = int(fraction * eager.peak_allocated) if eager.peak_allocated else fraction
+        doc["budgets"][text] = run_budget(workload, device, budget_bytes, variants, args.rounds,
+                                          planner_options(args.planner_option), deadline)
+    out = Path(args.out) if args.out else result_path("x").parent
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"engine_variants_{workload.name}.json"
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    eager_ms = doc["eager_step_s"] * 1e3 if doc["eager_step_s"] else None
+    print(f"{workload.name} on {device}: eager {eager_ms:.1f} ms" if eager_ms else f"{workload.name} on {device}")
+    for text, part in doc["budgets"].items():
+        for row in part["settings"]:
+            median = row["median_s"] * 1e3 if row["median_s"] else float("nan")
+            ratio = f"{median / eager_ms:.2f}x eager" if eager_ms else ""
+            print(f"  budget {text:>5} {label(row):<42} median {median:7.1f} ms "
+                  f"[{(row['min_s'] or 0) * 1e3:.1f}, {(row['max_s'] or 0) * 1e3:.1f}] {ratio}  "
+                  f"simulated {row['sim_step_s'] * 1e3:.1f} ms")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
