@@ -8,9 +8,9 @@ A MemGraph fixes what runs and where; the engine still chooses how: the ordering
 ablation) and how many copies each copy stream reports to the loop at enqueue (``engine.run``'s
 ``transfer_ahead``). Each budget (a fraction of eager's peak measured here, as the suite's) is compiled
 once; then every round runs each setting once, the settings' order rotated per round, so drift and
-warm-up fall on all of them alike. Per setting: median, min and max step time, the losses (the same
-MemGraph must give the same numbers in any setting), and the timing simulator's prediction of that
-setting from the same op costs. Writes ``engine_variants_<model>.json`` under bench/results (or --out).
+warm-up fall on all of them alike. Per setting: median, min and max step time, the losses (each run is
+one more training step of the same weights), and the timing simulator's prediction of that setting
+from the same op costs. Writes ``engine_variants_<model>.json`` under bench/results (or --out).
 """
 
 from __future__ import annotations

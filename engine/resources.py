@@ -44,7 +44,7 @@ DEFAULT_STREAMS = {
 # kernels queue up so the host runs ahead of the GPU; a copy queued behind the running one starts
 # without waiting for the host to see that one end (engine.run's transfer_ahead).
 CUDA_LAUNCH_AHEAD = 16
-CUDA_TRANSFER_AHEAD = 0
+CUDA_TRANSFER_AHEAD = 4  # bench/results/h100/engine_variants_*.json: 0 -> 4 took gpt350m at 25% from 232 to 201 ms
 
 
 def transfer_depth(device_type: str, transfer_ahead: int | None) -> int:

@@ -148,11 +148,24 @@ def nondeterministic_wins() -> tuple[MemGraph, int]:
     return h.done(serial=[r, b, a1, a2, a2 + 1]), b
 
 
+def test_a_copy_reported_at_enqueue_lets_its_reader_block_the_compute_stream():
+    """The price of transfer_ahead (engine.run): B's reload is reported when queued, so the loop
+    launches B right behind the chain's first kernel and the compute stream waits on the device for
+    the 10 ms copy, the rest of the chain behind B (13 ms, against 11 when the loop sees the copy
+    end); the H100 measured the trade worth it (bench/results/h100/engine_variants_*.json), and the
+    simulator prices both."""
+    mg, b = nondeterministic_wins()
+    assert simulate(mg, bandwidth=BW, transfer_ahead=0).step_time == pytest.approx(11 * MS)
+    ahead = simulate(mg, bandwidth=BW, transfer_ahead=1)
+    assert ahead.step_time == pytest.approx(13 * MS)
+    assert starts(ahead)[b] == pytest.approx(10) and starts(ahead)[b + 2] == pytest.approx(11)
+
+
 @pytest.mark.parametrize("launch_ahead", [0, 1, 16])
 def test_nondeterministic_order_beats_deterministic(launch_ahead):
     mg, b = nondeterministic_wins()
-    nondet = simulate(mg, bandwidth=BW, launch_ahead=launch_ahead)
-    det = simulate(mg, bandwidth=BW, ordering="deterministic", launch_ahead=launch_ahead)
+    nondet = simulate(mg, bandwidth=BW, launch_ahead=launch_ahead, transfer_ahead=0)
+    det = simulate(mg, bandwidth=BW, ordering="deterministic", launch_ahead=launch_ahead, transfer_ahead=0)
     # nondeterministic: the chain runs during the reload, B at 10 -> 11 ms
     assert nondet.step_time == pytest.approx(11 * MS)
     assert nondet.compute_idle == pytest.approx(7 * MS)
@@ -173,8 +186,8 @@ def test_launch_ahead_commits_the_compute_queue_early():
     c2 = h.compute(1, after=[c1])
     h.compute(1, after=[c2])
     mg = h.done()
-    eager_loop = simulate(mg, bandwidth=BW, launch_ahead=0)
-    ahead = simulate(mg, bandwidth=BW, launch_ahead=16)
+    eager_loop = simulate(mg, bandwidth=BW, launch_ahead=0, transfer_ahead=0)
+    ahead = simulate(mg, bandwidth=BW, launch_ahead=16, transfer_ahead=0)
     assert starts(eager_loop)[b] == 1 and starts(ahead)[b] == 3
     assert eager_loop.step_time == ahead.step_time == pytest.approx(4 * MS)
     assert ahead.launched_at[c2] == 0.0  # launched before c1 finished, started when it did
@@ -243,7 +256,7 @@ def test_stall_is_reported_like_the_engine():
 
 def test_costs_mapping_overrides_and_trace_file(tmp_path):
     mg, _ = nondeterministic_wins()
-    res = simulate(mg, costs={0: 2 * MS}, bandwidth=BW)  # the reload now takes 2 ms: B ends with the chain
+    res = simulate(mg, costs={0: 2 * MS}, bandwidth=BW, transfer_ahead=0)  # the reload now takes 2 ms: B ends with the chain
     assert res.step_time == pytest.approx(4 * MS)
     path = res.write_trace(tmp_path / "sim.json", mg)
     doc = json.loads(path.read_text())
@@ -400,8 +413,8 @@ def test_no_host_cost_is_the_simulator_before_it(seed):
             continue
         noisy = {"jitter": 0.2, "streams": {"compute": 2, "h2d": 2}} if ordering == "random" else {}
         kw = {"seed": seed, "launch_ahead": launch_ahead, "ordering": ordering, **noisy}
-        default = simulate(mg, bandwidth=BW, **kw)  # no cost model: no host cost
-        zero = simulate(mg, HostCostModel(), **kw, host_per_vertex=0)  # an explicit 0 beats the model's
+        default = simulate(mg, bandwidth=BW, **kw, transfer_ahead=0)  # no cost model: no host cost
+        zero = simulate(mg, HostCostModel(), **kw, host_per_vertex=0, transfer_ahead=0)  # an explicit 0 beats the model's
         for res in (default, zero):
             assert (res.step_time, sum(sp.start for sp in res.timeline)) == before
             assert res.host_busy == 0 and res.host_per_vertex == 0
@@ -459,7 +472,7 @@ def test_host_takes_queued_reports_before_polling_the_device():
     k1 = h.compute(0.001, after=[k0])
     k2 = h.compute(0.001, after=[k1])
     b = h.compute(0.001, after=[r])
-    res = simulate(h.done(), **two)
+    res = simulate(h.done(), **two, transfer_ahead=0)
     assert res.launch_order == [r, k0, k1, k2, b]
     assert res.launched_at == pytest.approx([i * MS for i in range(5)])
     # reloads X and Y both end while the host launches; one poll at 3 ms finds both: X's successor BX,
@@ -471,7 +484,7 @@ def test_host_takes_queued_reports_before_polling_the_device():
     bx = h.compute(0.001, after=[x])
     cx = h.compute(0.001, after=[bx])
     by = h.compute(0.001, after=[y])
-    res = simulate(h.done(), **two)
+    res = simulate(h.done(), **two, transfer_ahead=0)
     assert res.launch_order[3:] == [bx, by, cx]
     assert [res.launched_at[v] for v in (bx, by, cx)] == pytest.approx([3 * MS, 4 * MS, 5 * MS])
 
