@@ -29,6 +29,7 @@ from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
 from turnip.bench.models.sizes import make_workload
 from turnip.bench.peers.common import sync, trainable
 from turnip.bench.results import result_path, run_metadata
+from turnip.engine.resources import transfer_depth
 from turnip.engine.timing_sim import simulate
 from turnip.ir.memgraph import Edge, Kind, MemGraph, Place, Stream
 from turnip.ir.plan import Plan
@@ -119,18 +120,30 @@ def traced_gpt(tiny: bool) -> MemGraph:
 
 # -- simulator sweep ---------------------------------------------------------------------------
 
-def sweep(graphs: dict[str, MemGraph], jitters: list[float], seeds: int, bandwidth: float | None = None) -> list[dict]:
+def sweep(graphs: dict[str, MemGraph], jitters: list[float], seeds: int, bandwidth: float | None = None,
+          transfer_ahead: tuple[int | None, ...] = (None,)) -> list[dict]:
+    """Both orderings per graph, noise level and seed. ``transfer_ahead``: copies reported at enqueue
+    (engine.run's; None is the CUDA default); with several values each graph is swept under each,
+    its rows named "<graph>, transfer_ahead k"."""
     rows = []
-    for name, mg in graphs.items():
-        t0 = time.perf_counter()
-        for jitter in jitters:
-            for seed in range(seeds if jitter > 0 else 1):  # without noise every seed gives the same step
-                for ordering in ORDERINGS:
-                    res = simulate(mg, jitter=jitter, ordering=ordering, seed=seed, bandwidth=bandwidth)
-                    rows.append({"graph": name, "vertices": len(mg.vertices), **res.summary()})
-        log.info("%s: %d vertices, %d simulations in %.1fs", name, len(mg.vertices),
-                 sum(1 for r in rows if r["graph"] == name), time.perf_counter() - t0)
+    for base, mg in graphs.items():
+        for ahead in transfer_ahead:
+            name = base if len(transfer_ahead) == 1 else f"{base}, transfer_ahead {_ahead(ahead)}"
+            t0 = time.perf_counter()
+            for jitter in jitters:
+                for seed in range(seeds if jitter > 0 else 1):  # without noise every seed gives the same step
+                    for ordering in ORDERINGS:
+                        res = simulate(mg, jitter=jitter, ordering=ordering, seed=seed, bandwidth=bandwidth,
+                                       transfer_ahead=ahead)
+                        rows.append({"graph": name, "vertices": len(mg.vertices), "transfer_ahead": _ahead(ahead),
+                                     **res.summary()})
+            log.info("%s: %d vertices, %d simulations in %.1fs", name, len(mg.vertices),
+                     sum(1 for r in rows if r["graph"] == name), time.perf_counter() - t0)
     return rows
+
+
+def _ahead(transfer_ahead: int | None) -> int:
+    return transfer_depth("cuda", transfer_ahead)
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -221,7 +234,7 @@ def main(argv=None) -> int:
         graphs["traced gpt"] = traced_gpt(args.tiny)
     except Exception as exc:  # noqa: BLE001 - the compiler is work in progress; the synthetic graph still runs
         log.warning("traced gpt graph unavailable: %r", exc)
-    rows = sweep(graphs, jitters, seeds)
+    rows = sweep(graphs, jitters, seeds, transfer_ahead=(0, None))
     summary = summarize(rows)
     doc = {"benchmark": "ablation", **run_metadata(), "jitters": jitters, "seeds": seeds,
            "model": "simulator (engine.simulate, CUDA backend model)", "summary": summary, "sim_rows": rows}

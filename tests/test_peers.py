@@ -140,10 +140,14 @@ def test_suite_tiny_end_to_end(tmp_path):
 def test_ablation_synthetic_nondeterministic_wins():
     from turnip.bench.ablation import summarize, sweep, synthetic_step
 
-    rows = sweep({"synthetic": synthetic_step(layers=6)}, [0.0, 0.2], seeds=3)
-    summary = {s["jitter"]: s for s in summarize(rows)}
-    assert summary[0.0]["det_over_nondet_median"] > 1.01  # prefetching optimizer states pays
-    assert summary[0.2]["seeds"] == 3
+    rows = sweep({"synthetic": synthetic_step(layers=6)}, [0.0, 0.2], seeds=3, transfer_ahead=(0, 4))
+    summary = {(s["graph"], s["jitter"]): s for s in summarize(rows)}
+    # copies reported when done: the loop prefetches optimizer states the serial order reaches late
+    assert summary[("synthetic, transfer_ahead 0", 0.0)]["det_over_nondet_median"] > 1.01
+    assert summary[("synthetic, transfer_ahead 0", 0.2)]["seeds"] == 3
+    # copies reported at enqueue: both orders queue them early, the device's order decides (the H100
+    # measured no difference either: bench/results/h100/engine_variants_gpt350m.json)
+    assert summary[("synthetic, transfer_ahead 4", 0.0)]["det_over_nondet_median"] < 1.01
 
 
 def test_planner_options_must_be_key_value():
