@@ -12,8 +12,10 @@ everything listed here.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
+from pathlib import Path
 
 import torch
 from turnip.bench.models.sizes import make_workload
@@ -26,18 +28,25 @@ from turnip import engine, memgraph
 log = logging.getLogger(__name__)
 
 
-def live_at_peak(snapshot: dict) -> tuple[int, list[dict]]:
-    """Replay the allocator trace: (peak bytes allocated, blocks live at that moment)."""
+def live_at_peak(snapshot: dict, allocated_before: int | None = None) -> tuple[int, list[dict]]:
+    """Replay the allocator trace: (peak bytes allocated, blocks allocated in the trace live at that
+    moment). ``allocated_before``: the bytes allocated when recording began; blocks from before
+    that are freed then count as freed (eager's old gradients at zero_grad), so the peak found is
+    the step's real one, not that of its new allocations alone."""
     live: dict[int, dict] = {}
-    total = peak = 0
+    total = allocated_before or 0
+    peak = total
     at_peak: list[dict] = []
     for trace in snapshot["device_traces"]:
         for event in trace:
             if event["action"] == "alloc":
                 live[event["addr"]] = event
                 total += event["size"]
-            elif event["action"] == "free_completed" and event["addr"] in live:
-                total -= live.pop(event["addr"])["size"]
+            elif event["action"] == "free_completed":
+                if event["addr"] in live:
+                    total -= live.pop(event["addr"])["size"]
+                elif allocated_before is not None:
+                    total -= event["size"]
             if total > peak:
                 peak, at_peak = total, list(live.values())
     return peak, at_peak
@@ -93,8 +102,20 @@ def eager_peaks(workload, batch) -> dict:
         mark("optimizer")
 
     step(False)
+    torch.cuda.synchronize()
+    allocated_before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     step(True)
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
     phases["between_steps"] = torch.cuda.memory_allocated()
+    # what eager holds at its own peak, the blocks allocated before the recorded step (weights,
+    # optimizer states) apart: grouped by size, to set beside planned_peak's largest live values
+    phases["replayed_peak"], at_peak = live_at_peak(snapshot, allocated_before)
+    sizes = collections.Counter(e["size"] for e in at_peak)
+    phases["step_blocks_at_peak"] = [{"bytes": size, "count": n, "where": next(
+        frame_of(e) for e in at_peak if e["size"] == size)} for size, n in sorted(sizes.items(), key=lambda x: -x[0] * x[1])[:25]]
+    phases["step_bytes_at_peak"] = sum(e["size"] for e in at_peak)
     model = opt = None  # free eager's step before turnip compiles
     torch.cuda.empty_cache()
     return phases
@@ -105,6 +126,9 @@ def frame_of(event: dict) -> str:
     for f in frames:
         if "/turnip/" in f["filename"] or "/kernels/" in f["filename"] or "/engine/" in f["filename"]:
             return f"{f['filename'].rsplit('/', 2)[-2]}/{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
+    for f in frames:  # eager: the model's own line (bench/models, transformers' modeling files)
+        if "/models/" in f["filename"]:
+            return f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
     return f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['line']}" if frames else "?"
 
 
@@ -112,6 +136,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt350m")
     parser.add_argument("--budget", default="none", help="'none' (keep everything) or a fraction of the peak")
+    parser.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     workload = make_workload(args.model)
@@ -141,7 +166,7 @@ def main(argv=None) -> int:
               "allocated_between_steps": before, "peak_allocated_in_step": torch.cuda.max_memory_allocated(),
               "persistent_blocks_besides_arena": persistent[:20],
               "eager_peaks_by_phase": eager, "planned_peak": planned_peak(mg), "allocated_during_step_at_peak": step_blocks[:20]}
-    path = result_path(f"memory_audit_{args.model}.json")
+    path = Path(args.out) / f"memory_audit_{args.model}.json" if args.out else result_path(f"memory_audit_{args.model}.json")
     path.write_text(json.dumps(result, indent=2, default=str))
     log.info("%s", json.dumps({k: v for k, v in result.items() if k not in ("commit", "date")}, indent=1, default=str))
     return 0

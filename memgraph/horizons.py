@@ -29,12 +29,14 @@ from turnip.ir.plan import Plan
 from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph.alloc import START, RangeAllocator, Tenancy, wait_for
 from turnip.memgraph.packing import pack, stays
-
-PREFETCH_STEPS = (16, 4, 0)  # tried in turn when packing a compact build's stays
 from turnip.memgraph.reduce import reduce_memory_edges
 from turnip.memgraph.schedule import OUT, TASK, Schedule
 
 UNBOUNDED = 1 << 60  # pinned CPU storage limit when the plan sets none
+OFFLOAD_SETTLE_STEPS = 128  # see Horizons.offload_settle
+# (prefetch, settle) steps tried in turn when packing a compact build's stays (packing.stays): room
+# for reloads to start early and for offloads to finish before their bytes are taken, as fits
+PACKING_SLACK = ((16, OFFLOAD_SETTLE_STEPS), (16, 0), (4, 0), (0, 0))
 
 
 class OutOfMemory(Exception):
@@ -67,6 +69,10 @@ class HorizonWalk:
         self.memory: set[tuple[int, int]] = set()
         self.stats: Counter = Counter()
         self.now = 0
+        # bytes freed by an offload count as freed this many steps later when the allocator picks the
+        # bytes freed earliest: the copy may still be queued on the link, and a writer of those bytes
+        # waits for it, so bytes a finished reader freed are taken first
+        self.offload_settle = OFFLOAD_SETTLE_STEPS
         self.cpu_short = False  # an offload found no room in pinned CPU storage
         self.alloc_step = 0  # the allocation horizon
         nsteps = len(sched.steps)
@@ -97,12 +103,13 @@ class HorizonWalk:
         self.packed: dict[int, list[tuple[int, int]]] = {}
         if self.compact:
             started = time.perf_counter()
-            for prefetch in PREFETCH_STEPS:  # room for reloads to start early, as much as fits
-                packed, top = pack(stays(self.tg, self.sched, prefetch))
+            for prefetch, settle in PACKING_SLACK:
+                packed, top = pack(stays(self.tg, self.sched, prefetch, settle))
                 self.stats["packed_arena_bytes"] = int(offset + top)
                 if offset + top <= capacity:
                     self.packed = {v: [(s, offset + at) for s, at in spots] for v, spots in packed.items()}
                     self.stats["packed_prefetch_steps"] = prefetch
+                    self.stats["packed_settle_steps"] = settle
                     break
             self.stats["seconds_pack"] = time.perf_counter() - started
         self.cpu_alloc = RangeAllocator(0, cpu_limit, "cpu", fresh_time=UNBOUNDED, two_sided=False)
@@ -239,7 +246,7 @@ class HorizonWalk:
             if not self._offload(v, t):
                 return False
             self.stats["offloads_evicted"] += 1
-        self.gpu.free(t, self.now)
+        self.gpu.free(t, self.now + self.offload_settle)
         self.cur[v] = None
         self.stats["evictions"] += 1
         return True
@@ -340,7 +347,7 @@ class HorizonWalk:
         for v in self.sched.release_at.get(s, ()):
             t = self.cur[v]
             if t is not None and not t.home and self.cpu[v] is not None and self.nidx[v] < len(self.uses[v]):
-                self.gpu.free(t, self.now)
+                self.gpu.free(t, self.now + self.offload_settle)
                 self.cur[v] = None
 
     def _take_over(self, old: int, new: int, mid: int) -> None:

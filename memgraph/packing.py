@@ -28,11 +28,12 @@ class Stay:
     last: int  # schedule step it is read last (inclusive: placed and read in one step overlap)
 
 
-def stays(tg: TaskGraph, sched: Schedule, prefetch: int = 0) -> list[Stay]:
+def stays(tg: TaskGraph, sched: Schedule, prefetch: int = 0, settle: int = 0) -> list[Stay]:
     """Arena stays of every value that is not a GPU home, evicting only where the plan says: a
     value the schedule releases (an offloaded activation, a CPU-homed weight between fetch runs)
-    has one stay up to the release and another from ``prefetch`` steps before its next use (the
-    room its reload may start in) to its last use."""
+    has one stay up to the release (and ``settle`` steps past it, the time its offload may still
+    be running, as room allows before the next stay) and another from ``prefetch`` steps before its
+    next use (the room its reload may start in) to its last use."""
     first: dict[int, int] = {}
     for s, step in enumerate(sched.steps):
         if step[0] != 0:  # OUT and WB steps read; they place nothing
@@ -72,8 +73,9 @@ def stays(tg: TaskGraph, sched: Schedule, prefetch: int = 0) -> list[Stay]:
             later = [u for u in sched.uses[root] if u > r]
             if r < start or not later:
                 continue
-            out.append(Stay([root], stay.size, start, r))
-            start = max(r + 1, later[0] - prefetch)
+            held = min(r + settle, later[0] - prefetch - 1) if settle else r
+            out.append(Stay([root], stay.size, start, max(r, held)))
+            start = max(max(r, held) + 1, later[0] - prefetch)
         out.append(Stay([root], stay.size, start, stay.last))
     return out
 

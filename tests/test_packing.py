@@ -90,6 +90,32 @@ def test_a_planned_offload_splits_its_value_into_two_stays(prefetch):
         s.size * (s.last - s.first + 1) for s in stays(tg, keep)) or unsplit == 0
 
 
+@pytest.mark.parametrize("settle", [2, 5])
+def test_an_offloaded_value_keeps_its_bytes_while_its_copy_may_run(settle):
+    """settle: the first stay of an offloaded value lasts up to ``settle`` steps past its release
+    (the copy may still be queued on the link; the next tenant of those bytes would wait for it),
+    never into its reload's prefetch room; a compact build whose arena has that room uses it."""
+    tg = chain_of_blocks(8, act_bytes=1 << 16, param_bytes=1 << 12, seed=2)
+    keep = Schedule(tg, list(range(len(tg.vertices))), Plan(gpu_budget=UNBOUNDED), 256)
+    offload = {v for v in range(len(tg.values)) if len(keep.uses[v]) > 1 and keep.uses[v][-1] - keep.uses[v][0] > 10
+               and tg.values[v].producer >= 0 and not keep.gpu_home[v]}
+    sched = Schedule(tg, list(range(len(tg.vertices))), Plan(gpu_budget=UNBOUNDED, offload=offload), 256)
+    prefetch = 3
+    plain, settled = stays(tg, sched, prefetch), stays(tg, sched, prefetch, settle)
+    released = {v: s for s, vids in sched.release_at.items() for v in vids}
+    extended = 0
+    for v, r in released.items():
+        before = sorted((st for st in plain if st.values[0] == v), key=lambda st: st.first)
+        after = sorted((st for st in settled if st.values[0] == v), key=lambda st: st.first)
+        assert before[0].last == r and r <= after[0].last <= r + settle
+        assert after[0].last < after[1].first and after[1].first == before[1].first
+        extended += after[0].last > r
+    assert extended > 0
+    full = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=256, compact=True).arena_bytes
+    mg = build(tg, Plan(gpu_budget=full, offload=offload), alignment=256, compact=True)
+    assert verify(mg) == [] and mg.stats["packed_settle_steps"] > 0
+
+
 def test_compact_build_of_an_offload_plan_places_reloads_where_packed():
     tg = chain_of_blocks(8, act_bytes=1 << 16, param_bytes=1 << 12, seed=2)
     keep = Schedule(tg, list(range(len(tg.vertices))), Plan(gpu_budget=UNBOUNDED), 256)
