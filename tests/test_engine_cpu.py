@@ -140,3 +140,14 @@ def test_missing_backend_and_unknown_device_are_clear():
         with pytest.raises(EngineError, match="(?i)cuda"):
             engine.run(mg, batch(0))
         assert mg.runtime is None
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "4"])
+def test_transfer_ahead_is_checked_before_the_step_runs(bad):
+    mg, batch, _ = step_graph()
+    before = {k: v.clone() for k, v in mg.state_dict().items()}
+    with pytest.raises(ValueError, match="transfer_ahead"):
+        engine.run(mg, batch(1), transfer_ahead=bad)
+    for key, tensor in mg.state_dict().items():  # nothing ran: the weights are as they were
+        assert torch.equal(tensor, before[key])
+    engine.run(mg, batch(1), transfer_ahead=2)  # a count is taken (the CPU backend has no copy streams)
