@@ -4,7 +4,7 @@
         [--orderings nondeterministic,deterministic] [--rounds 6] [--planner-option time_limit=8]
     python -m turnip.bench.engine_variants --tiny          # CPU, a small GPT: checks the command, no timings
 
-A MemGraph fixes what runs and where; the engine still chooses how: the ordering (issue: the ordering
+A MemGraph fixes what runs and where; the engine still chooses how: the ordering (the ordering
 ablation) and how many copies each copy stream reports to the loop at enqueue (``engine.run``'s
 ``transfer_ahead``). Each budget (a fraction of eager's peak measured here, as the suite's) is compiled
 once; then every round runs each setting once, the settings' order rotated per round, so drift and

@@ -118,20 +118,16 @@ def _match(tg: TaskGraph, nll: Vertex, readers) -> LossHead | None:
     if nb.args[1].value != nll_in.value or nb.args[6].value != total_weight or nb.args[2] != target_ref \
             or nb.args[3:6] != nll.args[2:5]:
         return None
-    g_logp, cast_out_backward = nb.outputs[0], None
-    if cast_out is not None:
-        cast_out_backward = _sole_reader(tg, readers, g_logp, "aten::_to_copy")
-        if cast_out_backward is None:
-            return None
-        g_logp = cast_out_backward.outputs[0]
+    past = _past_backward_cast(tg, readers, nb.outputs[0], cast_out)
+    if past is None:
+        return None
+    g_logp, cast_out_backward = past
     if lb.args[0].value != g_logp or lb.args[1].value != logp:
         return None
-    gy, cast_in_backward = lb.outputs[0], None
-    if cast_in is not None:
-        cast_in_backward = _sole_reader(tg, readers, gy, "aten::_to_copy")
-        if cast_in_backward is None:
-            return None
-        gy = cast_in_backward.outputs[0]
+    past = _past_backward_cast(tg, readers, lb.outputs[0], cast_in)
+    if past is None:
+        return None
+    gy, cast_in_backward = past
     mms = [tg.vertices[r] for r in readers[gy]]
     if len(mms) != 2 or any(v.op != "aten::mm" for v in mms):
         return None
@@ -154,6 +150,16 @@ def _only_reader(tg: TaskGraph, readers, value: int, op: str) -> Vertex | None:
     """The one reader of ``value`` running ``op`` (others may read it too), or None."""
     found = [tg.vertices[r] for r in readers[value] if tg.vertices[r].op == op]
     return found[0] if len(found) == 1 else None
+
+
+def _past_backward_cast(tg: TaskGraph, readers, gradient: int, forward_cast: Vertex | None
+                        ) -> tuple[int, Vertex | None] | None:
+    """(the gradient past the backward twin of ``forward_cast``, that twin): the gradient itself
+    where the forward had no cast; None where the twin (the gradient's sole reader, a cast) is missing."""
+    if forward_cast is None:
+        return gradient, None
+    twin = _sole_reader(tg, readers, gradient, "aten::_to_copy")
+    return (twin.outputs[0], twin) if twin is not None else None
 
 
 def _sole_reader(tg: TaskGraph, readers, value: int, op: str) -> Vertex | None:
