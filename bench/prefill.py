@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from turnip.bench.models.llama import LLAMA2_7B
 from turnip.bench.options import planner_options
 from turnip.bench.peers.common import release_memory, sync
 from turnip.bench.results import result_path, run_metadata
@@ -44,8 +45,6 @@ from turnip import engine, memgraph
 
 log = logging.getLogger(__name__)
 
-LLAMA2_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-             "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768}
 TINY = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
 

@@ -38,6 +38,7 @@ from turnip.ir.taskgraph import (
 )
 from turnip.kernels.ops import HIDDEN_MUTATIONS, RUNTIME_SIZED, flatten_returns, is_random, op_name, out_variant
 from turnip.memgraph.accumulate import accumulate, check_steps, loss_outputs, micro_prefix, split
+from turnip.memgraph.constant_checks import eager_answers
 from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
 from turnip.memgraph.optim import UpdateEmitter, initial_states, spec_from_optimizer
 from turnip.memgraph.reuse import donate_dying_inputs
@@ -473,7 +474,8 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
         return [loss, *per_micro] + [g for g in grads if g is not None]
 
     try:
-        gm = make_fx(step, tracing_mode="fake")(fake_train, fake_frozen, fake_buffers, fake_leaves)
+        with eager_answers():  # library checks of batch-independent values answered as eager does
+            gm = make_fx(step, tracing_mode="fake")(fake_train, fake_frozen, fake_buffers, fake_leaves)
     except _DATA_DEPENDENT as err:
         op = getattr(err, "func", None)
         where = modules.current()

@@ -17,6 +17,12 @@ BENCH = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "n
 TINY = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "max_position_embeddings": 64}
 SEQ, BATCH, TINY_SEQ, TINY_BATCH = 1024, 8, 32, 4
+# Llama-2-7B's sizes (the TURNIP paper's LoRA and prefill experiments); random weights
+LLAMA2_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768}
+# the paper's LoRA: rank 16 on the attention projections and the feed-forward matrices
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_RANK = 16
 
 
 class Unavailable(RuntimeError):
@@ -49,4 +55,34 @@ def llama_workload(tiny: bool = False, batch: int | None = None, seed: int = 0, 
     info = {"config": dict(shape), "batch_size": size, "seq": seq, "loss": "bf16 autocast, fp32 cross-entropy",
             **parameter_count(model)}
     return Workload("llama" + ("-tiny" if tiny else ""), model, llama_loss, data,
+                    OptimizerSpec(torch.optim.AdamW, {"lr": lr}), info)
+
+
+def lora_workload(tiny: bool = False, batch: int | None = None, seq: int | None = None, seed: int = 0,
+                  lr: float = 1e-4, rank: int = LORA_RANK) -> Workload:
+    """LoRA fine-tuning of a Llama-2-7B-shaped model (peft, ``rank`` on LORA_TARGETS, base weights fp32
+    and frozen, AdamW on the adapters), batch x seq tokens (default 8 x 1024); ``tiny``: 2 layers.
+    The 7B base is 27 GB of fp32 weights in host memory (a copy per system that runs)."""
+    try:
+        import peft
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        raise Unavailable(f"transformers and peft are needed ({exc})") from None
+    shape = TINY if tiny else LLAMA2_7B
+    cfg = LlamaConfig(**shape, rms_norm_eps=1e-5, tie_word_embeddings=False, use_cache=False,
+                      attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    base = LlamaForCausalLM(cfg)
+    lora = peft.LoraConfig(r=min(rank, 4) if tiny else rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                           target_modules=list(LORA_TARGETS))
+    model = peft.get_peft_model(base, lora)
+    model.train()
+    seq = seq or (TINY_SEQ if tiny else SEQ)
+    size = batch or (TINY_BATCH if tiny else BATCH)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (size, seq + 1), generator=gen)
+    data = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    info = {"config": dict(shape), "batch_size": size, "seq": seq, "lora_rank": lora.r,
+            "lora_targets": list(LORA_TARGETS), "loss": "bf16 autocast, fp32 cross-entropy", **parameter_count(model)}
+    return Workload("lora7b" + ("-tiny" if tiny else ""), model, llama_loss, data,
                     OptimizerSpec(torch.optim.AdamW, {"lr": lr}), info)

@@ -15,7 +15,7 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 from turnip.bench.models.gpt import GPT, GPTConfig, example_batch
-from turnip.bench.models.llama import llama_workload
+from turnip.bench.models.llama import llama_workload, lora_workload
 from turnip.bench.peers.common import OptimizerSpec, Workload, parameter_count
 
 VOCAB, SEQ = 50304, 1024
@@ -64,4 +64,6 @@ def make_workload(name: str, tiny: bool = False, batch: int | None = None, seed:
     """A workload by benchmark name (raises llama.Unavailable when transformers is missing)."""
     if name == "llama":
         return llama_workload(tiny=tiny, batch=batch, seed=seed)
+    if name == "lora7b":
+        return lora_workload(tiny=tiny, batch=batch, seed=seed)
     return gpt_workload(name, tiny=tiny, batch=batch, seed=seed)
