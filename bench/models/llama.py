@@ -37,21 +37,31 @@ def llama_loss(model, batch) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def llama_workload(tiny: bool = False, batch: int | None = None, seed: int = 0, lr: float = 1e-4) -> Workload:
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError as exc:
-        raise Unavailable(f"transformers is not installed ({exc})") from None
-    shape = TINY if tiny else BENCH
+def _llama(shape: dict, seed: int):
+    """A LlamaForCausalLM of ``shape`` with seeded random weights (transformers imported by the caller)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     cfg = LlamaConfig(**shape, rms_norm_eps=1e-5, tie_word_embeddings=False, use_cache=False,
                       attn_implementation="sdpa")
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(cfg)
+
+
+def _next_token_batch(vocab: int, size: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, vocab, (size, seq + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def llama_workload(tiny: bool = False, batch: int | None = None, seed: int = 0, lr: float = 1e-4) -> Workload:
+    try:
+        import transformers  # noqa: F401 - only whether it is there
+    except ImportError as exc:
+        raise Unavailable(f"transformers is not installed ({exc})") from None
+    shape = TINY if tiny else BENCH
+    model = _llama(shape, seed)
     model.train()
     seq, size = (TINY_SEQ, batch or TINY_BATCH) if tiny else (SEQ, batch or BATCH)
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (size, seq + 1), generator=gen)
-    data = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    data = _next_token_batch(shape["vocab_size"], size, seq, seed)
     info = {"config": dict(shape), "batch_size": size, "seq": seq, "loss": "bf16 autocast, fp32 cross-entropy",
             **parameter_count(model)}
     return Workload("llama" + ("-tiny" if tiny else ""), model, llama_loss, data,
@@ -65,23 +75,16 @@ def lora_workload(tiny: bool = False, batch: int | None = None, seq: int | None 
     The 7B base is 27 GB of fp32 weights in host memory (a copy per system that runs)."""
     try:
         import peft
-        from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError as exc:
         raise Unavailable(f"transformers and peft are needed ({exc})") from None
     shape = TINY if tiny else LLAMA2_7B
-    cfg = LlamaConfig(**shape, rms_norm_eps=1e-5, tie_word_embeddings=False, use_cache=False,
-                      attn_implementation="sdpa")
-    torch.manual_seed(seed)
-    base = LlamaForCausalLM(cfg)
     lora = peft.LoraConfig(r=min(rank, 4) if tiny else rank, lora_alpha=2 * rank, lora_dropout=0.0,
                            target_modules=list(LORA_TARGETS))
-    model = peft.get_peft_model(base, lora)
+    model = peft.get_peft_model(_llama(shape, seed), lora)
     model.train()
     seq = seq or (TINY_SEQ if tiny else SEQ)
     size = batch or (TINY_BATCH if tiny else BATCH)
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (size, seq + 1), generator=gen)
-    data = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    data = _next_token_batch(shape["vocab_size"], size, seq, seed)
     info = {"config": dict(shape), "batch_size": size, "seq": seq, "lora_rank": lora.r,
             "lora_targets": list(LORA_TARGETS), "loss": "bf16 autocast, fp32 cross-entropy", **parameter_count(model)}
     return Workload("lora7b" + ("-tiny" if tiny else ""), model, llama_loss, data,
