@@ -1,12 +1,15 @@
 """What a turnip step allocates beside its arena: the CUDA allocations live at the step's peak.
 
-    python -m turnip.bench.memory_audit [--model gpt350m] [--budget none|0.6]
+    python -m turnip.bench.memory_audit [--model gpt350m] [--budget none|0.6] [--out DIR]
 
 Compiles the model, runs one step (allocation, library handles), then records the caching
 allocator's history over a second step and lists, at the moment of the step's peak, every live
 block except the arena with its size and the Python frame that allocated it. Writes
 bench/results/memory_audit_<model>.json. The point: the compile-time budget check must count
-everything listed here.
+everything listed here. Beside it: eager's peak per phase and the blocks eager's own step holds at
+its peak, grouped by size with the model line that allocated them ("eager_peaks_by_phase"), to set
+against turnip's largest live values at its planned peak ("planned_peak"): a value turnip keeps
+that eager does not shows there (llama's per-layer causal masks were found so).
 """
 
 from __future__ import annotations
