@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 import torch
+from turnip.bench.engine_variants import run_budget, settings
 from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
 from turnip.bench.models.sizes import make_workload
-from turnip.bench.peers.common import sync, trainable
 from turnip.bench.results import result_path, run_metadata
 from turnip.engine.resources import transfer_depth
 from turnip.engine.timing_sim import simulate
@@ -36,7 +36,7 @@ from turnip.ir.plan import Plan
 from turnip.ir.taskgraph import TaskGraph
 from turnip.planners.costs import CostModel
 
-from turnip import engine, memgraph
+from turnip import memgraph
 
 log = logging.getLogger(__name__)
 
@@ -171,43 +171,17 @@ def summarize(rows: list[dict]) -> list[dict]:
 # -- on the device -------------------------------------------------------------------------------
 
 def device_ablation(model_name: str, budget: float, repeat: int, device: str, time_limit: float) -> dict:
-    """Both orderings on one compiled MemGraph, alternating, plus the simulator's prediction of each."""
-
-
-    tiny = device == "cpu"
-    workload = make_workload(model_name, tiny=tiny)
-    batch = workload.batch_on(device)
-    t0 = time.perf_counter()
-    mg = memgraph.compile(workload.model, workload.loss_fn, batch, optimizer=workload.optimizer(
-        trainable(workload.model)), budget=budget, device=device)
-    compile_s = time.perf_counter() - t0
-    deadline = time.monotonic() + time_limit
-    times: dict[str, list[float]] = {o: [] for o in ORDERINGS}
-    losses: dict[str, list[float]] = {o: [] for o in ORDERINGS}
-    engine.run(mg, batch)  # warmup: arena allocation
-    for r in range(repeat):
-        if time.monotonic() > deadline:
-            log.warning("device ablation: time limit after %d rounds", r)
-            break
-        for ordering in (ORDERINGS if r % 2 == 0 else ORDERINGS[::-1]):  # alternate who goes first
-            sync(device)
-            start = time.perf_counter()
-            out = engine.run(mg, batch, ordering=ordering)
-            sync(device)
-            times[ordering].append(time.perf_counter() - start)
-            losses[ordering].append(float(out["loss"]))
-        log.info("round %d: nondeterministic %.2f ms, deterministic %.2f ms", r,
-                 times["nondeterministic"][-1] * 1e3, times["deterministic"][-1] * 1e3)
-    costs = CostModel(device=device)
-    costs.annotate(mg.taskgraph)
-    result = {"model": workload.name, "budget": budget, "compile_s": compile_s, "summary": mg.summary(),
-              "rounds": len(times["deterministic"])}
-    for o in ORDERINGS:
-        t = sorted(times[o])
-        sim = simulate(mg, costs, ordering=o)
-        result[o] = {"step_s": times[o], "median_s": statistics.median(t) if t else None,
-                     "min_s": t[0] if t else None, "max_s": t[-1] if t else None, "losses": losses[o],
-                     "sim_step_s": sim.step_time, "sim_compute_idle_s": sim.compute_idle}
+    """Both orderings on one compiled MemGraph, alternating, plus the simulator's prediction of each
+    (bench/engine_variants.py's rounds, with the engine's default transfer_ahead)."""
+    workload = make_workload(model_name, tiny=device == "cpu")
+    part = run_budget(workload, device, budget, settings(list(ORDERINGS), [None]), repeat, {},
+                      time.monotonic() + time_limit)
+    rows = part["settings"]
+    result = {"model": workload.name, "budget": budget, "compile_s": part["compile_s"], "summary": part["summary"],
+              "rounds": min(len(row["step_s"]) for row in rows)}
+    for row in rows:
+        result[row["ordering"]] = {key: row[key] for key in ("step_s", "median_s", "min_s", "max_s", "losses",
+                                                             "sim_step_s", "sim_compute_idle_s")}
     return result
 
 

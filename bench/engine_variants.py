@@ -38,7 +38,8 @@ from turnip import engine, memgraph
 log = logging.getLogger(__name__)
 
 
-def settings(orderings: list[str], transfer_ahead: list[int]) -> list[dict]:
+def settings(orderings: list[str], transfer_ahead: list[int | None]) -> list[dict]:
+    """Every (ordering, transfer_ahead) pair; a transfer_ahead of None is the engine's default."""
     return [{"ordering": o, "transfer_ahead": k} for o, k in itertools.product(orderings, transfer_ahead)]
 
 
@@ -82,7 +83,7 @@ def run_budget(workload, device: str, budget: float, variants: list[dict], round
                      "sim_compute_idle_s": sim.compute_idle})
     summary = mg.summary()
     mg.release()
-    return {"budget": budget, "compile_s": compile_s, "vertices": summary["vertices"],
+    return {"budget": budget, "compile_s": compile_s, "summary": summary, "vertices": summary["vertices"],
             "bytes_reloaded": summary["bytes_reloaded"], "bytes_offloaded": summary["bytes_offloaded"], "stats": {k: v for k, v in mg.stats.items()
                                                                  if isinstance(v, (int, float, str))},
             "settings": rows}

@@ -134,7 +134,7 @@ class CudaRuntime(Runtime):
             lane.in_flight.clear()
             lane.unreported.clear()
             lane.reported_in_flight = 0
-            lane.depth = self.depth if lane.compute else self.transfer_depth
+            lane.depth = self._depth(lane.compute)
         self.completions.ready.clear()
         self._caller_stream = self._current = torch.cuda.current_stream()
         self._batch_ready.record()  # the batch may come from work queued on the caller's stream
@@ -200,13 +200,16 @@ class CudaRuntime(Runtime):
             out.append(rec._replace(start=origin + begin_s, end=origin + end_s))
         return out
 
+    def _depth(self, compute: bool) -> int:
+        """Vertices a lane reports at launch: compute launch-ahead, or this step's transfer_ahead."""
+        return self.depth if compute else self.transfer_depth
+
     def lane(self, item: Launch) -> Lane:
         lane = self.lanes.get((item.key, item.instance))
         if lane is None:
             stream_class, dev = self.graph.keys[item.key]
             compute = stream_class is Stream.COMPUTE
-            lane = Lane(torch.cuda.Stream(device=torch.device("cuda", dev)), compute,
-                        self.depth if compute else self.transfer_depth)
+            lane = Lane(torch.cuda.Stream(device=torch.device("cuda", dev)), compute, self._depth(compute))
             self.lanes[(item.key, item.instance)] = lane
         return lane
 

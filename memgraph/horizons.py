@@ -33,7 +33,10 @@ from turnip.memgraph.reduce import reduce_memory_edges
 from turnip.memgraph.schedule import OUT, TASK, Schedule
 
 UNBOUNDED = 1 << 60  # pinned CPU storage limit when the plan sets none
-OFFLOAD_SETTLE_STEPS = 128  # see Horizons.offload_settle
+# Bytes freed by an offload count as freed this many steps later when the allocator picks the bytes
+# freed earliest: the copy may still be queued on the link, and a writer of those bytes waits for it,
+# so bytes a finished reader freed are taken first
+OFFLOAD_SETTLE_STEPS = 128
 # (prefetch, settle) steps tried in turn when packing a compact build's stays (packing.stays): room
 # for reloads to start early and for offloads to finish before their bytes are taken, as fits
 PACKING_SLACK = ((16, OFFLOAD_SETTLE_STEPS), (16, 0), (4, 0), (0, 0))
@@ -69,10 +72,6 @@ class HorizonWalk:
         self.memory: set[tuple[int, int]] = set()
         self.stats: Counter = Counter()
         self.now = 0
-        # bytes freed by an offload count as freed this many steps later when the allocator picks the
-        # bytes freed earliest: the copy may still be queued on the link, and a writer of those bytes
-        # waits for it, so bytes a finished reader freed are taken first
-        self.offload_settle = OFFLOAD_SETTLE_STEPS
         self.cpu_short = False  # an offload found no room in pinned CPU storage
         self.alloc_step = 0  # the allocation horizon
         nsteps = len(sched.steps)
@@ -246,7 +245,7 @@ class HorizonWalk:
             if not self._offload(v, t):
                 return False
             self.stats["offloads_evicted"] += 1
-        self.gpu.free(t, self.now + self.offload_settle)
+        self.gpu.free(t, self.now + OFFLOAD_SETTLE_STEPS)
         self.cur[v] = None
         self.stats["evictions"] += 1
         return True
@@ -347,7 +346,7 @@ class HorizonWalk:
         for v in self.sched.release_at.get(s, ()):
             t = self.cur[v]
             if t is not None and not t.home and self.cpu[v] is not None and self.nidx[v] < len(self.uses[v]):
-                self.gpu.free(t, self.now + self.offload_settle)
+                self.gpu.free(t, self.now + OFFLOAD_SETTLE_STEPS)
                 self.cur[v] = None
 
     def _take_over(self, old: int, new: int, mid: int) -> None:
