@@ -188,6 +188,7 @@ def main(argv=None) -> int:
     step = Path(args.step)
     rows = replan(step, [b for b in args.budgets.split(",") if b], options)
     out = Path(args.out) if args.out else step.parent
+    out.mkdir(parents=True, exist_ok=True)
     path = out / f"replan_{rows[0]['model'] if rows else step.stem}.json"
     path.write_text(json.dumps({"benchmark": "replan", "step": str(step), **run_metadata(), "rows": rows}, indent=1))
     print(format_rows(rows))
