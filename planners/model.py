@@ -141,44 +141,40 @@ class Problem:
 def step_order(tg: TaskGraph) -> list[int]:
     """Program order with each parameter's update moved right after its gradient is complete and
     the last reader of the weights it overwrites has run (so the builder updates them in place),
-    so gradients die at once and optimizer states are needed one block at a time."""
+    so gradients die at once and optimizer states are needed one block at a time.
+
+    Each optimizer vertex goes right after its trigger: the latest non-optimizer vertex it waits for,
+    directly (a gradient it reads, a reader of a home it overwrites) or through the optimizer
+    vertices it reads from or must not overwrite the input of. Waiting is inherited along those
+    edges rather than shared by every vertex they connect: every fused update reads the one step
+    counter, and sharing would hold all of them (and so every gradient) to the end of the backward.
+    """
     n = len(tg.vertices)
     opt = [v.id for v in tg.vertices if v.phase == "optimizer"]
     if not opt:
         return list(range(n))
-    parent = {v: v for v in opt}
-
-    def find(x):
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    trigger = {v: -1 for v in opt}
+    is_opt = [v.phase == "optimizer" for v in tg.vertices]
     consumers = tg.consumers()
-    for vid in opt:
-        for old, _new in tg.vertices[vid].copy_in:
-            if tg.values[old].kind.is_persistent:
-                readers = [c for c in consumers[old] if tg.vertices[c].phase != "optimizer"]
-                trigger[vid] = max([trigger[vid], *readers])
-        for val in tg.vertices[vid].inputs():
+    trigger: dict[int, int] = {}
+    for vid in opt:  # program order is topological: what vid waits for has its trigger already
+        waits = -1
+        vertex = tg.vertices[vid]
+        for old, _new in vertex.copy_in:
+            if tg.values[old].kind.is_persistent:  # readers of the bytes it overwrites go first
+                for reader in consumers[old]:
+                    if reader != vid:
+                        waits = max(waits, trigger.get(reader, -1) if is_opt[reader] else reader)
+        for val in vertex.inputs():
             prod = tg.values[val].producer
-            if prod < 0:
-                continue
-            if tg.vertices[prod].phase == "optimizer":
-                parent[find(vid)] = find(prod)
-            else:
-                trigger[vid] = max(trigger[vid], prod)
-    comp_trigger: dict[int, int] = defaultdict(lambda: -1)
-    for vid in opt:
-        root = find(vid)
-        comp_trigger[root] = max(comp_trigger[root], trigger[vid])
+            if prod >= 0:
+                waits = max(waits, trigger[prod] if is_opt[prod] else prod)
+        trigger[vid] = waits
     after: dict[int, list[int]] = defaultdict(list)
     for vid in opt:
-        after[comp_trigger[find(vid)]].append(vid)
+        after[trigger[vid]].append(vid)
     order = list(after.get(-1, []))
     for vid in range(n):
-        if tg.vertices[vid].phase != "optimizer":
+        if not is_opt[vid]:
             order.append(vid)
             order.extend(after.get(vid, []))
     if not _topological(tg, order):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -552,6 +553,27 @@ def test_optimizer_updates_follow_their_gradients(small_gpt):
         for x in v.inputs():
             prod = tg.values[x].producer
             assert prod < 0 or pos[prod] < pos[v.id]
+
+
+def test_fused_updates_do_not_wait_for_each_other():
+    """A CUDA trace's fused updates all read one step counter: each update still goes right after
+    its own block's gradients, so the last block's update runs before the first block's backward
+    (before, the shared counter held every update, and so every gradient, to the end)."""
+    from turnip.ir.step_file import load_step
+    tg = load_step(Path(__file__).parent.parent / "bench/results/h100/steps/step_gpt350m.step")
+    assert any(tg.values[i].name == "opt:step" for v in tg.vertices if v.phase == "optimizer" for i in v.inputs())
+    order = step_order(tg)
+    pos = {v: i for i, v in enumerate(order)}
+    def updates(block: int) -> list:
+        return [v for v in tg.vertices if v.phase == "optimizer" and v.module == f"blocks.{block}"]
+
+    blocks = sorted({int(v.module.split(".")[1]) for v in tg.vertices if v.module.startswith("blocks.")})
+    first_gradients = [tg.values[i].producer for v in updates(blocks[0]) for i in v.inputs()
+                       if tg.values[i].producer >= 0 and tg.vertices[tg.values[i].producer].phase == "backward"]
+    assert first_gradients
+    assert max(pos[v.id] for v in updates(blocks[-1])) < min(pos[g] for g in first_gradients)
+    for v in tg.vertices:  # still a topological order
+        assert all(tg.values[x].producer < 0 or pos[tg.values[x].producer] < pos[v.id] for x in v.inputs())
 
 
 def test_ilp_solution_decodes_to_plan(small_gpt):
