@@ -30,8 +30,10 @@ from turnip.bench.suite import (
     expand_systems,
     format_same_memory,
     format_table,
+    parse_budgets,
     run_suite,
 )
+from turnip.ir.budget import BudgetError
 
 
 def _floats(text: str) -> list[float]:
@@ -64,9 +66,13 @@ def suite(args) -> int:
                                  else list(TINY_SYSTEMS if args.tiny else DEFAULT_SYSTEMS))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    try:
+        budgets = parse_budgets(args.budgets or ("1.0,0.5" if args.tiny else "1.0,0.6,0.5,0.25,0.1"))
+    except BudgetError as exc:
+        raise SystemExit(str(exc)) from None
     cfg = SuiteConfig(
         models=_names(args.models or "gpt350m"),
-        budgets=_floats(args.budgets or ("1.0,0.5" if args.tiny else "1.0,0.6,0.5,0.25,0.1")),
+        budgets=budgets,
         steps=args.steps if args.steps is not None else (2 if args.tiny else 5),
         systems=systems, tiny=args.tiny, device=device, out=_out(args), time_limit=args.time_limit,
         system_limit=args.system_limit, peer_limit=args.peer_limit,
@@ -74,9 +80,6 @@ def suite(args) -> int:
         planner_options=planner_options(args.planner_option),
         tag=args.tag, batch=args.batch, plots=not args.no_plots,
         isolate=args.isolate or ("none" if args.tiny else "all"), sites=_sites(args.site))
-    for b in cfg.budgets:
-        if not 0 < b <= 1:
-            raise SystemExit(f"budgets are fractions in (0, 1], got {b}")
     logging.getLogger(__name__).info("suite: %s", cfg)
     rows = run_suite(cfg)
     print(format_table(rows))
@@ -125,8 +128,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m turnip.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["suite", "ablation", "plots", "table"])
-    parser.add_argument("--models", help="comma-separated: gpt350m, gpt1.3b, lora1.3b, llama")
-    parser.add_argument("--budgets", help="comma-separated fractions of eager's measured peak GPU memory")
+    parser.add_argument("--models", help="comma-separated: gpt350m, gpt1.3b, lora1.3b, llama, lora7b")
+    parser.add_argument("--budgets", help="comma-separated turnip budgets: fractions of eager's measured peak GPU "
+                        "memory (0.6) or sizes (16GiB, 8GiB), mixed as you like")
     parser.add_argument("--steps", type=int, help="timed steps per system (after --warmup); ablation: repeats")
     parser.add_argument("--warmup", type=int, help="untimed steps first (allocation, autotuning, CUDA graph "
                         "capture); default 2, --tiny 1")

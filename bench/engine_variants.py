@@ -1,12 +1,14 @@
 """One compiled MemGraph run under several engine settings, alternating, beside eager in the same process.
 
     python -m turnip.bench.engine_variants --model gpt350m --budgets 0.5,0.25 --transfer-ahead 0,1,4 \\
-        [--orderings nondeterministic,deterministic] [--rounds 6] [--planner-option time_limit=8]
+        [--orderings nondeterministic,deterministic] [--completions events,callback] [--rounds 6] \\
+        [--planner-option time_limit=8]
     python -m turnip.bench.engine_variants --tiny          # CPU, a small GPT: checks the command, no timings
 
 A MemGraph fixes what runs and where; the engine still chooses how: the ordering (the ordering
-ablation) and how many copies each copy stream reports to the loop at enqueue (``engine.run``'s
-``transfer_ahead``). Each budget (a fraction of eager's peak measured here, as the suite's) is compiled
+ablation), how many copies each copy stream reports to the loop at enqueue (``engine.run``'s
+``transfer_ahead``) and how the loop learns that work finished (``completion``: polled CUDA events or
+stream callbacks, engine/completions.py). Each budget (a fraction of eager's peak measured here, as the suite's) is compiled
 once; then every round runs each setting once, the settings' order rotated per round, so drift and
 warm-up fall on all of them alike. Per setting: median, min and max step time, the losses (each run is
 one more training step of the same weights), and the timing simulator's prediction of that setting
@@ -38,13 +40,17 @@ from turnip import engine, memgraph
 log = logging.getLogger(__name__)
 
 
-def settings(orderings: list[str], transfer_ahead: list[int | None]) -> list[dict]:
-    """Every (ordering, transfer_ahead) pair; a transfer_ahead of None is the engine's default."""
-    return [{"ordering": o, "transfer_ahead": k} for o, k in itertools.product(orderings, transfer_ahead)]
+def settings(orderings: list[str], transfer_ahead: list[int | None],
+             completions: list[str | None] = (None,)) -> list[dict]:
+    """Every (ordering, transfer_ahead, completion) triple; None is the engine's default."""
+    return [{"ordering": o, "transfer_ahead": k, "completion": c}
+            for o, k, c in itertools.product(orderings, transfer_ahead, completions)]
 
 
 def label(setting: dict) -> str:
-    return f"{setting['ordering']}, transfer_ahead={setting['transfer_ahead']}"
+    completion = setting.get("completion")
+    return f"{setting['ordering']}, transfer_ahead={setting['transfer_ahead']}" + (
+        f", {completion}" if completion else "")
 
 
 def run_budget(workload, device: str, budget: float, variants: list[dict], rounds: int, options: dict,
@@ -66,7 +72,8 @@ def run_budget(workload, device: str, budget: float, variants: list[dict], round
         for setting in variants[shift:] + variants[:shift]:
             sync(device)
             t0 = time.perf_counter()
-            out = engine.run(mg, batch, ordering=setting["ordering"], transfer_ahead=setting["transfer_ahead"])
+            out = engine.run(mg, batch, ordering=setting["ordering"], transfer_ahead=setting["transfer_ahead"],
+                             completion=setting.get("completion"))
             sync(device)
             times[label(setting)].append(time.perf_counter() - t0)
             losses[label(setting)].append(float(out["loss"]))
@@ -96,6 +103,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets", default="0.5", help="comma-separated fractions of eager's measured peak")
     parser.add_argument("--transfer-ahead", default="0,2", help="comma-separated copies reported at enqueue")
     parser.add_argument("--orderings", default="nondeterministic")
+    parser.add_argument("--completions", default="", help="comma-separated: events, callback (default: the "
+                        "engine's default only)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--device", default=None, help="default: cuda when available")
@@ -107,7 +116,8 @@ def main(argv=None) -> int:
                         datefmt="%H:%M:%S")
     device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     variants = settings([o for o in args.orderings.split(",") if o],
-                        [int(k) for k in args.transfer_ahead.split(",") if k])
+                        [int(k) for k in args.transfer_ahead.split(",") if k],
+                        [c for c in args.completions.split(",") if c] or [None])
     workload = make_workload(args.model, tiny=args.tiny)
     eager = resolve("eager")(workload, device, 5, warmup=2)
     if eager.status != "ok":

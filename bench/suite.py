@@ -2,7 +2,10 @@
 
 Per model: eager first (its measured peak defines what a budget fraction means),
 then the peers (no budget knob: each runs once and reports the memory it used),
-then turnip at each budget, largest first. Every row is written to
+then turnip at each budget, largest first. A budget is a fraction of eager's
+measured peak (a float) or a size in bytes (an int: ``--budgets 16GiB,8GiB``,
+for workloads whose eager does not fit or whose budgets are fixed sizes, like
+the TURNIP paper's 7B LoRA at 16 and 8 GiB). Every row is written to
 ``suite_<model>[_<tag>].json`` as soon as it exists, so a command killed at its
 time limit still leaves everything it measured. Each system runs in a process of
 its own (``peers/isolated.py``; ``isolate="none"`` runs them in this one) under its
@@ -35,6 +38,7 @@ from turnip.bench.peers import CUDA_PEERS, PEERS, TORCH_PEERS
 from turnip.bench.peers.common import EAGER_MATH, NOT_INSTALLED, OK, TIMEOUT, PeerResult, Workload, is_cuda
 from turnip.bench.peers.isolated import WorkloadSpec, resolve, run_isolated, write_snapshot
 from turnip.bench.results import run_metadata
+from turnip.ir.budget import BudgetError, format_bytes, parse_budget
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +47,10 @@ KNOWN_SYSTEMS = (*PEERS, "turnip")
 # save_on_cpu pair (offload, checkpoint_offload) is left to --systems torch: on gpt1.3b it moves
 # 19.6 GB each way at 5.6x eager's step (bench/results/h100/older/suite_gpt1.3b_peers.json) and its
 # minute would push turnip's rows out of the one 10-minute call a model gets.
-ALL_SYSTEMS = ("eager", "turnip", "checkpoint", *CUDA_PEERS)
+# deepspeed_zero3_infinity is run by name: it is the 7B LoRA's peer (ZeRO-Infinity's CPU tier with eager's
+# math), and the gpt1.3b and llama commands with every peer already take 432-524 s of their 530
+BY_NAME_ONLY = ("deepspeed_zero3_infinity",)
+ALL_SYSTEMS = ("eager", "turnip", "checkpoint", *(p for p in CUDA_PEERS if p not in BY_NAME_ONLY))
 DEFAULT_SYSTEMS = ALL_SYSTEMS
 TINY_SYSTEMS = ("eager", "checkpoint", "offload", "checkpoint_offload", "turnip")
 SHORTHANDS = {  # --systems all / peers / torch / offloading, alone or mixed with names
@@ -59,7 +66,7 @@ MIN_SYSTEM_S = 10.0  # do not start a system with less than this left of the com
 @dataclass
 class SuiteConfig:
     models: list[str]
-    budgets: list[float]
+    budgets: list[float | int]  # fractions of eager's measured peak (floats) or bytes (ints): parse_budgets
     steps: int = 5
     systems: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEMS))
     tiny: bool = False
@@ -76,6 +83,36 @@ class SuiteConfig:
     plots: bool = True
     isolate: str = "all"  # "all": every system in a process of its own; "peers": all but eager and turnip; "none"
     sites: dict[str, list[str]] = field(default_factory=dict)  # system -> sys.path entries first in its process
+
+
+def parse_budgets(text: str) -> list[float | int]:
+    """``--budgets``: comma-separated fractions of eager's measured peak (``0.6``, ``60%``), kept as floats,
+    and sizes (``16GiB``, ``512MiB``, ``8GB``: ir/budget.py's units), kept as ints of bytes. A bare number
+    is a fraction and must lie in (0, 1]; BudgetError (a ValueError) names the item that does not read."""
+    budgets: list[float | int] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        number = item.removesuffix("%")
+        try:
+            fraction = float(number) / (100 if number != item else 1)
+        except ValueError:  # not a number: a size with its unit
+            budgets.append(parse_budget(item, None, what="--budgets"))
+            continue
+        if not 0 < fraction <= 1:
+            raise BudgetError(f"--budgets item {item!r} is a fraction of eager's measured peak and must lie in "
+                              "(0, 1]; a size needs a unit, e.g. 16GiB")
+        budgets.append(fraction)
+    if not budgets:
+        raise BudgetError(f"--budgets {text!r} names no budget")
+    return budgets
+
+
+def budget_label(budget) -> str:
+    """A budget as the tables print it: a fraction with two decimals, a size in binary units ("16GiB")."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        return "-"
+    return format_bytes(budget, compact=True) if isinstance(budget, int) else f"{budget:.2f}"
 
 
 def expand_systems(names: list[str]) -> list[str]:
@@ -347,14 +384,14 @@ def _num(x, scale=1.0, fmt="{:.1f}") -> str:
 def format_table(rows: list[dict]) -> str:
     """The final table the CLI prints: one line per (model, system, budget)."""
     num = _num
-    head = f"{'model':<16} {'system':<21} {'budget':>6} {'step ms':>9} {'spread':>7} {'peak GiB':>9} " \
+    head = f"{'model':<16} {'system':<24} {'budget':>6} {'step ms':>9} {'spread':>7} {'peak GiB':>9} " \
            f"{'in MiB':>9} {'out MiB':>9} {'compile s':>9} {'floor ms':>9} {'sim ms':>8} {'math':>5} " \
            f"{'loss diff':>9}  status"
     lines = [head, "-" * len(head)]
     for r in rows:
         math_label = {"eager": "eager", "bf16 weights": "bf16"}.get(r.get("math"), "-")
         lines.append(
-            f"{r.get('model', ''):<16} {r.get('system', ''):<21} {num(r.get('budget'), fmt='{:.2f}'):>6} "
+            f"{r.get('model', ''):<16} {r.get('system', ''):<24} {budget_label(r.get('budget')):>6} "
             f"{num(r.get('step_s_median'), 1e3):>9} {num(r.get('step_s_spread'), 100, '{:.0f}%'):>7} "
             f"{num(r.get('peak_allocated'), 2**-30, '{:.2f}'):>9} {num(r.get('bytes_h2d'), 2**-20):>9} "
             f"{num(r.get('bytes_d2h'), 2**-20):>9} {num(r.get('compile_s')):>9} {num(r.get('floor_s'), 1e3):>9} "
@@ -369,16 +406,16 @@ def format_same_memory(rows: list[dict]) -> str:
     if not view:
         return ""
     num = _num
-    head = f"{'model':<16} {'budget':>6} {'cap GiB':>8} {'turnip ms':>9}  {'fastest that fits':<21} {'ms':>8} " \
-           f"{'GiB':>6} {'math':>5} {'speed-up':>8}  {'fastest with eager math':<23} {'speed-up':>8}"
+    head = f"{'model':<16} {'budget':>6} {'cap GiB':>8} {'turnip ms':>9}  {'fastest that fits':<24} {'ms':>8} " \
+           f"{'GiB':>6} {'math':>5} {'speed-up':>8}  {'fastest with eager math':<24} {'speed-up':>8}"
     title = "same memory: turnip beside the fastest system whose measured peak fits in max(budget, turnip's peak)"
     lines = [title, head, "-" * len(head)]
     for e in view:
         math_label = {"eager": "eager", "bf16 weights": "bf16"}.get(e.get("peer_math"), "-")
         turnip_ms = num(e["turnip_step_s"], 1e3) if e["turnip_step_s"] else e.get("status") or "-"
         lines.append(
-            f"{e.get('model') or '':<16} {num(e.get('budget'), fmt='{:.2f}'):>6} {num(e['cap_bytes'], 2**-30, '{:.2f}'):>8} "
-            f"{turnip_ms:>9}  {e['peer'] or 'none fits':<21} {num(e['peer_step_s'], 1e3):>8} "
+            f"{e.get('model') or '':<16} {budget_label(e.get('budget')):>6} {num(e['cap_bytes'], 2**-30, '{:.2f}'):>8} "
+            f"{turnip_ms:>9}  {e['peer'] or 'none fits':<24} {num(e['peer_step_s'], 1e3):>8} "
             f"{num(e['peer_peak'], 2**-30, '{:.2f}'):>6} {math_label:>5} {num(e['speedup'], fmt='{:.2f}x'):>8}  "
-            f"{e['eager_math_peer'] or '-':<23} {num(e['eager_math_speedup'], fmt='{:.2f}x'):>8}")
+            f"{e['eager_math_peer'] or '-':<24} {num(e['eager_math_speedup'], fmt='{:.2f}x'):>8}")
     return "\n".join(lines)

@@ -1,43 +1,52 @@
-"""CUDA backend: one arena per device, pinned CPU storage, streams, and event-polled completions.
+"""CUDA backend: one arena per device, pinned CPU storage, streams, and completions by events or callbacks.
 
-Completion path (measured by bench/engine_overhead.py): every vertex records
-a CUDA event after its work; the loop thread polls the event at the head of
-each stream's FIFO (streams complete in order), so no Python callback ever
-competes for the GIL. This is the only completion mechanism: there is no
-host-callback (``cudaLaunchHostFunc``) mode.
+Completion path (engine/completions.py; measured by bench/engine_overhead.py): each unit (a
+segment or one vertex) joins the FIFO of its lane, one CUDA stream instance, and
+``engine.run(..., completion=...)`` picks how the loop sees a lane's head finish:
+
+- ``"events"`` (the default): the unit records a CUDA event after its work, and the loop thread
+  polls the event at the head of each lane (streams complete in order); no Python callback
+  competes with the loop for the GIL.
+- ``"callback"``: a host function enqueued after the unit (``cudaLaunchHostFunc`` through CuPy,
+  the cuda12 / cuda13 extras) puts the unit's id on a queue the loop blocks on. An event is then
+  recorded only where another stream may have to wait for the unit on the device: a successor of
+  another stream class or device, or a stream class with several instances this step.
 
 Segments: the loop launches each segment of mg.segments (memgraph/segments.py) as one unit,
 replayed as a CUDA graph from its second run on (engine/cuda_graphs.py), so a run of small kernels
 costs one host call. Every vertex outside a segment launches alone as below.
 
-Launch-ahead: a compute vertex is reported complete to the loop as soon as it
-is enqueued, while its stream holds fewer than ``depth`` unfinished vertices,
-so chains of small kernels keep the GPU queue fed instead of paying a
-host round trip per kernel. Correctness does not depend on it: a vertex
-launched on one stream waits (``cudaStreamWaitEvent``) for every predecessor
-on another stream that has not been seen finished. Transfers are reported
-only when really finished, so a compute vertex is launched only once its
-reloaded inputs are there: the loop still picks, at run time, whichever
-compute is ready instead of queueing behind a slow copy. With
-``engine.run(..., transfer_ahead=k)`` a copy stream also reports its first k
-unfinished copies at enqueue, so the next copy (and what reads it) is queued
-behind the running one on the device instead of waiting for the host to see
-it end; the same events keep every edge.
+Launch-ahead (both modes): a compute unit is reported complete to the loop as soon as it is
+enqueued, while its stream holds fewer than ``depth`` reported unfinished units, so chains of
+small kernels keep the GPU queue fed instead of paying a host round trip per kernel; when it
+really finishes it is retired without a second report. Correctness does not depend on it: a unit
+launched on one stream waits (``cudaStreamWaitEvent``) for every predecessor on another stream
+that has not been seen finished. Transfers are reported only when really finished, so a compute
+vertex is launched only once its reloaded inputs are there: the loop still picks, at run time,
+whichever compute is ready instead of queueing behind a slow copy. With
+``engine.run(..., transfer_ahead=k)`` a copy stream also reports its first k unfinished copies at
+enqueue, so the next copy (and what reads it) is queued behind the running one on the device
+instead of waiting for the host to see it end; the same events keep every edge.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-import os
-import time
 
 import torch
+from turnip.engine.completions import (
+    CallbackCompletions,
+    EventCompletions,
+    Lane,
+    LaneCompletions,
+    crosses_keys,
+    launch_host_func,
+)
 from turnip.engine.cuda_graphs import SegmentGraphs
 from turnip.engine.errors import EngineError
 from turnip.engine.host_memory import describe_host, host_memory
-from turnip.engine.loop import Completion, Launch
+from turnip.engine.loop import Launch
 from turnip.engine.resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD
 from turnip.engine.runtime import InputBinding, OutputBinding, Runtime
 from turnip.ir.budget import format_bytes
@@ -50,39 +59,6 @@ log = logging.getLogger(__name__)
 DEFAULT_DEPTH = CUDA_LAUNCH_AHEAD  # unfinished compute vertices a stream may hold before the loop waits
 
 
-class EventCompletions:
-    """The loop's completion source: notifications queued by launches, else polled CUDA events."""
-
-    def __init__(self, runtime: CudaRuntime):
-        self.rt = runtime
-        self.ready: collections.deque = collections.deque()
-
-    def put(self, completion: Completion) -> None:
-        self.ready.append(completion)
-
-    def get(self) -> Completion:
-        rt = self.rt
-        spins = 0
-        while not self.ready:
-            if not rt.poll():
-                spins += 1
-                if spins > 2000:  # nothing finished for a while: let other threads run, but never
-                    os.sched_yield()  # sleep (a sleep takes 50-80 us on Linux, a transfer may end any time)
-        return self.ready.popleft()
-
-
-class Lane:
-    """One CUDA stream and the vertices it holds that have not finished, oldest first."""
-
-    def __init__(self, stream: torch.cuda.Stream, compute: bool, depth: int):
-        self.stream = stream
-        self.compute = compute
-        self.depth = depth  # vertices reported to the loop at launch while still unfinished (0: none)
-        self.in_flight: collections.deque = collections.deque()
-        self.unreported: collections.deque = collections.deque()  # launched, not yet told to the loop
-        self.reported_in_flight = 0
-
-
 class CudaRuntime(Runtime):
     device_type = "cuda"
 
@@ -91,14 +67,16 @@ class CudaRuntime(Runtime):
         self.transfer_depth = CUDA_TRANSFER_AHEAD  # set per step by engine.run's transfer_ahead
         self.mg = mg
         super().__init__(mg)
-        n = self.graph.n
+        graph = self.graph
+        n = graph.n
         self.events = [torch.cuda.Event() for _ in range(n)]
-        self.preds = self.graph.predecessors()
+        self.preds = graph.predecessors()
+        self.crosses_keys = crosses_keys(graph)  # the units another stream class may wait for
         self.lanes: dict[tuple[int, int], Lane] = {}
-        self.lane_of: list[Lane | None] = [None] * n
-        self.finished = bytearray(n)
-        self.reported = bytearray(n)
-        self.completions = EventCompletions(self)
+        self._sources: dict[str, LaneCompletions] = {}  # completion mode -> its source, made on first use
+        self.completions: LaneCompletions = self._source(self.completion)
+        self._record_every = True  # set per step: False in callback mode
+        self._shared_keys: list[bool] = []  # per stream key, set per step: several instances this step
         self.outputs: dict[str, torch.Tensor] = {}
         self.host_out: dict[int, torch.Tensor] = {}
         tg = mg.taskgraph
@@ -128,14 +106,12 @@ class CudaRuntime(Runtime):
         self._ctx = StepContext(mg.taskgraph, step, torch.device("cuda", self.devices[0]), self.rng)
         self._leaves = leaves
         self.outputs = {}
-        self.finished = bytearray(self.graph.n)
-        self.reported = bytearray(self.graph.n)
         for lane in self.lanes.values():
-            lane.in_flight.clear()
-            lane.unreported.clear()
-            lane.reported_in_flight = 0
-            lane.depth = self._depth(lane.compute)
-        self.completions.ready.clear()
+            lane.reset(self._depth(lane.compute))
+        self.completions = self._source(self.completion)
+        self.completions.begin_step(self.shared_workspace)
+        self._record_every = self.completion == "events"
+        self._shared_keys = [n > 1 for n in self.stream_sizes]  # read only when not _record_every
         self._caller_stream = self._current = torch.cuda.current_stream()
         self._batch_ready.record()  # the batch may come from work queued on the caller's stream
         if self.timing and self._timers is None:
@@ -200,6 +176,16 @@ class CudaRuntime(Runtime):
             out.append(rec._replace(start=origin + begin_s, end=origin + end_s))
         return out
 
+    def _source(self, mode: str) -> LaneCompletions:
+        source = self._sources.get(mode)
+        if source is None:
+            if mode == "callback":
+                source = CallbackCompletions(self.graph.needs, self.lanes, launch_host_func())
+            else:
+                source = EventCompletions(self.graph.needs, self.lanes, self.events)
+            self._sources[mode] = source
+        return source
+
     def _depth(self, compute: bool) -> int:
         """Vertices a lane reports at launch: compute launch-ahead, or this step's transfer_ahead."""
         return self.depth if compute else self.transfer_depth
@@ -214,66 +200,31 @@ class CudaRuntime(Runtime):
         return lane
 
     def launch(self, item: Launch, notify) -> None:
-        vid = item.vertex  # a unit: a segment or one vertex
+        unit = item.vertex  # a segment or one vertex
         lane = self.lane(item)
         stream = lane.stream
-        self.lane_of[vid] = lane
-        finished, lane_of, events = self.finished, self.lane_of, self.events
-        for p in self.preds[vid]:
+        completions = self.completions
+        finished, lane_of, events = completions.finished, completions.lane_of, self.events
+        for p in self.preds[unit]:
             if not finished[p] and lane_of[p] is not lane:
                 stream.wait_event(events[p])
         if self._current is not stream:  # cheaper than a stream context per launch
             torch.cuda.set_stream(stream)
             self._current = stream
         timers = self._timers if self.timing else None
-        head = self.graph.head[vid]
+        head = self.graph.head[unit]
         if timers is not None:
             timers[head][0].record(stream)
-        if len(self.graph.units[vid]) > 1:
-            self.segment_graphs.run(vid, (item.key, item.instance), self._ctx.scalars, lambda: self.execute_unit(self.mg, vid))
+        if len(self.graph.units[unit]) > 1:
+            self.segment_graphs.run(unit, (item.key, item.instance), self._ctx.scalars,
+                                    lambda: self.execute_unit(self.mg, unit))
         else:
             self.execute(self.mg, head)
         if timers is not None:
             timers[head][1].record(stream)
-        events[vid].record(stream)
-        lane.in_flight.append(vid)
-        # a vertex holding workspace is reported only once it really finished where another compute
-        # stream could take those bytes while it still runs: the loop frees its workspace on the
-        # report. With one compute stream per device the next temporaries are allocated in stream
-        # order behind it, so reporting early is safe.
-        if lane.reported_in_flight < lane.depth and (self.shared_workspace or not self.graph.needs[vid]):
-            lane.reported_in_flight += 1
-            self.reported[vid] = 1
-            self.completions.ready.append(Completion(vid, None, 0.0, 0.0))
-        else:
-            lane.unreported.append(vid)
-
-    def poll(self) -> bool:
-        """Retire finished vertices at the heads of the lanes; True if the loop has news."""
-        moved = False
-        events, reported, ready = self.events, self.reported, self.completions.ready
-        for lane in self.lanes.values():
-            q = lane.in_flight
-            while q and events[q[0]].query():
-                vid = q.popleft()
-                self.finished[vid] = 1
-                if reported[vid]:
-                    lane.reported_in_flight -= 1
-                else:  # reported vertices are always older than unreported ones
-                    lane.unreported.popleft()
-                    reported[vid] = 1
-                    ready.append(Completion(vid, None, 0.0, time.perf_counter()))
-                    moved = True
-            if lane.depth:
-                needs = self.graph.needs
-                while (lane.unreported and lane.reported_in_flight < lane.depth
-                       and (self.shared_workspace or not needs[lane.unreported[0]])):
-                    vid = lane.unreported.popleft()
-                    reported[vid] = 1
-                    lane.reported_in_flight += 1
-                    ready.append(Completion(vid, None, 0.0, 0.0))
-                    moved = True
-        return moved
+        if self._record_every or self.crosses_keys[unit] or self._shared_keys[item.key]:
+            events[unit].record(stream)
+        completions.enqueued(lane, unit)
 
     # -- vertices (run on the loop thread, on the current stream: the lane's) -----------------
     def run_compute(self, vid: int, prepared: PreparedVertex) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 from turnip.engine.chrome_trace import write_trace
+from turnip.engine.completions import completion_mode
 from turnip.engine.errors import BatchError, EngineError
 from turnip.engine.loop import Record, Scheduler, drive
 from turnip.engine.policy import Policy, make_policy
@@ -159,7 +160,8 @@ def get_runtime(mg: MemGraph):
 
 
 def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace: str | Path | None = None,
-        seed: int | None = None, streams: dict | None = None, transfer_ahead: int | None = None) -> dict:
+        seed: int | None = None, streams: dict | None = None, transfer_ahead: int | None = None,
+        completion: str | None = None) -> dict:
     """Run one training step of ``mg`` on ``batch``; return its outputs (``out["loss"]``).
 
     A MemGraph compiled with accumulation_steps=k takes a list of k micro-batches, each like the
@@ -172,6 +174,10 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
     transfer_ahead: on CUDA, copies each copy stream reports to the loop when enqueued rather than
     when finished (None: the backend's default, engine.resources.CUDA_TRANSFER_AHEAD), so the next
     copy waits on the device, not on the host, for the one before; the order stays the loop's.
+    completion: on CUDA, how the loop learns that work finished (engine/completions.py): "events"
+    (poll the CUDA event after each unit) or "callback" (a host function per unit puts it on a queue
+    the loop blocks on; needs CuPy); None: engine.completions.CUDA_COMPLETION. The CPU backend's
+    workers always report through a queue: there the name is checked and has no effect.
     """
     policy = make_policy(ordering, seed)
     leaves = flatten_batch(mg, batch)
@@ -181,6 +187,7 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
     runtime.check_consistent()
     counts = stream_counts(runtime.device_type, streams)
     copies_ahead = transfer_depth(runtime.device_type, transfer_ahead)
+    mode = completion_mode(runtime.device_type, completion)
     with runtime.lock:
         graph = runtime.graph
         pool = StreamPool([counts[stream] for stream, _ in graph.keys])
@@ -192,6 +199,8 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
         runtime.fuzz_seed = getattr(policy, "seed", None) if policy.name == "random" else None
         runtime.timing = trace is not None  # device timestamps cost events: only when tracing
         runtime.transfer_depth = copies_ahead
+        runtime.completion = mode
+        runtime.stream_sizes = pool.sizes
         # one compute stream per device: no two vertices' op workspaces are ever in use at once
         runtime.shared_workspace = all(n == 1 for (stream, _), n in zip(graph.keys, pool.sizes)
                                        if stream is Stream.COMPUTE)

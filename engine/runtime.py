@@ -104,6 +104,8 @@ class Runtime:
         self.fuzz_seed: int | None = None  # set per step by engine.run for random orderings
         self.timing = False  # set per step by engine.run when a trace is wanted
         self.transfer_depth = 0  # set per step by engine.run: copies reported at enqueue (CUDA)
+        self.completion = "events"  # set per step by engine.run: how CUDA lanes report (engine/completions.py)
+        self.stream_sizes: list[int] = []  # set per step by engine.run: stream instances per StaticGraph key
         self._ranks: dict[str, list[int]] = {}
         self.last_records: list = []  # Record of the last step (for traces and tests)
         self.last_launch_order: list[int] = []

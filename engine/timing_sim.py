@@ -335,7 +335,7 @@ class _Sim:
         to.append(vid)
 
     def _drain(self) -> None:
-        # As engine.loop.drive with engine/cuda.py's EventCompletions: the loop takes one report whenever
+        # As engine.loop.drive with engine/completions.py's EventCompletions: the loop takes one report whenever
         # it is free (done launching), and polls the device only when no report is queued, taking all
         # its news at once. So a run of early reports goes before a transfer that ended meanwhile, and
         # news that come in while the host is launching waits for it. With no host time this is the

@@ -107,7 +107,8 @@ def phase_of_vertices(mg: MemGraph) -> list[str]:
 
 
 def memory_by_phase(mg: MemGraph, timeline: list[int] | None = None) -> list[PhaseMemory]:
-    """Per phase (in the order they first appear): vertices, peak arena bytes in use, bytes moved."""
+    """Per phase (in PHASES' order; updates run inside the backward, so not in the order they first
+    appear): vertices, peak arena bytes in use, bytes moved."""
     timeline = arena_timeline(mg) if timeline is None else timeline
     rows: dict[str, PhaseMemory] = {}
     for k, (vid, phase) in enumerate(zip(mg.serial, phase_of_vertices(mg))):
@@ -120,4 +121,5 @@ def memory_by_phase(mg: MemGraph, timeline: list[int] | None = None) -> list[Pha
             row.bytes_offloaded += moved
         elif v.kind is Kind.RELOAD:
             row.bytes_reloaded += moved
-    return list(rows.values())
+    rank = {phase: k for k, phase in enumerate(PHASES)}
+    return sorted(rows.values(), key=lambda row: rank.get(row.phase, len(rank)))

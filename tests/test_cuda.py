@@ -208,3 +208,33 @@ def test_loss_head_in_row_blocks_matches_eager():
     torch.testing.assert_close(blocks["loss"], plain["loss"], rtol=1e-5, atol=0)
     for name in plain:
         torch.testing.assert_close(blocks[name], plain[name], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("transfer_ahead", [0, 4])
+def test_callback_completions_match_events_and_eager(transfer_ahead):
+    """completion="callback": host functions report each unit; with launch-ahead, copies reported at
+    enqueue (transfer_ahead=4), segment capture (step 2) and replay (step 3) the step is events' and
+    eager's. Needs CuPy (the cuda12 / cuda13 extras)."""
+    pytest.importorskip("cupy", reason="completion='callback' needs CuPy")
+    model, loss_fn, batches = make_case("gpt", dropout=0.1, device="cuda")
+    want_losses, want_state = eager_steps(model, loss_fn, batches, adamw)
+    budget = budget_bytes(model, loss_fn, batches[0], 0.25)
+
+    def steps(completion):
+        mg = memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(trainable(model)), budget=budget,
+                              device="cuda")
+        assert mg.segments and sum(v.kind.value == "reload" for v in mg.vertices) > 0
+        torch.manual_seed(123)
+        losses = [engine.run(mg, b, completion=completion, transfer_ahead=transfer_ahead)["loss"].item()
+                  for b in batches]
+        state = mg.state_dict()
+        mg.release()
+        return losses, state
+
+    event_losses, event_state = steps("events")
+    losses, state = steps("callback")
+    assert losses == pytest.approx(event_losses, rel=1e-6)
+    assert_same_state(state, event_state, exact=False, rtol=1e-6, atol=1e-7)
+    assert losses == pytest.approx([x.item() for x in want_losses], rel=1e-4)
+    assert_same_state(state, want_state, exact=False, **CUDA_TOL)

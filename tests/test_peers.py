@@ -99,8 +99,8 @@ def test_deadline_truncates_steps():
 
 
 def test_offloading_peers_are_skipped_without_cuda(gpt):
-    assert set(CUDA_PEERS) == {"deepspeed_zero2", "deepspeed_zero2_bf16", "deepspeed_zero3", "torchao",
-                               "torchao_offload_grads", "torchtune"}
+    assert set(CUDA_PEERS) == {"deepspeed_zero2", "deepspeed_zero2_bf16", "deepspeed_zero3",
+                               "deepspeed_zero3_infinity", "torchao", "torchao_offload_grads", "torchtune"}
     for system in CUDA_PEERS:
         res = PEERS[system](gpt, "cpu", 1)
         assert (res.system, res.status, res.error) == (system, "skipped", "needs a CUDA device")

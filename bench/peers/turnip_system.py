@@ -35,8 +35,11 @@ log = logging.getLogger(__name__)
 
 
 def budget_argument(budget: float, eager_peak: int | None) -> tuple[int | float, str]:
-    """What memgraph.compile gets: bytes of the measured eager peak when known, else the fraction itself
-    (then compile reads it as a fraction of the traced step's unplanned peak)."""
+    """What memgraph.compile gets: a size (an int of bytes, the suite's ``16GiB``) as it is; a fraction as
+    bytes of the measured eager peak when known, else the fraction itself (then compile reads it as a
+    fraction of the traced step's unplanned peak)."""
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        return budget, "bytes given"
     if eager_peak:
         return max(1, int(budget * eager_peak)), "eager peak"
     return float(budget), "unplanned peak"
