@@ -66,6 +66,11 @@ def run_vertex(vertex: Vertex, resolve: Resolve, outputs: Sequence[torch.Tensor 
     for i, vid in enumerate(vertex.outputs):
         if vid < 0:
             continue
+        if flat[i] is None:
+            # an output the real kernel leaves undefined where the fake tensors of the trace gave an
+            # empty one (CUDA attention's sequence offsets and RNG seeds when it does not need them):
+            # no vertex of the eager step could read it, so its place is left as it is
+            continue
         if outs[i] is None:
             outs[i] = flat[i]
         else:
