@@ -185,5 +185,5 @@ class PreparedVertex:
             return
         flat = flatten_returns(result)
         for out, res in zip(self.outputs, flat):
-            if out is not None:
+            if out is not None and res is not None:  # None: an output the kernel leaves undefined (run_vertex)
                 out.copy_(res)

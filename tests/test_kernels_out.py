@@ -59,3 +59,11 @@ def test_an_output_the_kernel_leaves_undefined_keeps_its_place():
                                                              [True, False, False])[0]
     assert torch.equal(places[0], want)
     assert all(torch.equal(p, torch.full((4, 8), 7.0)) for p in places[1:])
+    places = [torch.full((4, 8), 7.0) for _ in range(3)]  # the engine's prepared launch, the same
+    prepared = PreparedVertex(tg.vertices[vid], lambda ref: values[ref.value], places)
+    # this op has an out= form, which the prepared launch takes; CUDA attention has none: the
+    # functional call and a copy into each place, as here
+    prepared.op, prepared.out_names, prepared.kwargs = torch.ops.aten.native_layer_norm_backward.default, (), {}
+    prepared({}, None, torch.device("cpu"))
+    assert torch.equal(places[0], want)
+    assert all(torch.equal(p, torch.full((4, 8), 7.0)) for p in places[1:])
