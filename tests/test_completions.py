@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-from engine_graphs import step_graph
 from turnip.engine.completions import (
     COMPLETIONS,
     CallbackCompletions,
@@ -28,8 +27,6 @@ from turnip.engine.resources import StreamPool, WorkspacePool
 from turnip.ir.memgraph import Edge, Kind, MemGraph, Stream
 from turnip.ir.plan import Plan
 from turnip.ir.taskgraph import TaskGraph
-
-from turnip import engine
 
 
 # -- the argument -----------------------------------------------------------------------------
@@ -49,19 +46,6 @@ def test_callback_without_cupy_says_which_extra_to_install(monkeypatch, torch_cu
     monkeypatch.setattr(torch.version, "cuda", torch_cuda)
     with pytest.raises(EngineError, match=rf"needs CuPy.*{extra}.*completion='events'"):
         completion_mode("cuda", "callback")
-
-
-@pytest.mark.parametrize("bad", ["poll", 0, "EVENTS"])
-def test_engine_run_checks_completion_before_the_step_runs(bad):
-    mg, batch, _ = step_graph()
-    before = {k: v.clone() for k, v in mg.state_dict().items()}
-    with pytest.raises(ValueError, match="completion"):
-        engine.run(mg, batch(1), completion=bad)
-    for key, tensor in mg.state_dict().items():  # nothing ran: the weights are as they were
-        assert torch.equal(tensor, before[key])
-    assert mg.runtime.step == 0
-    for mode in COMPLETIONS:  # both names are taken on the CPU, whose workers always report by queue
-        engine.run(mg, batch(1), completion=mode)
 
 
 # -- a fake GPU ---------------------------------------------------------------------------------

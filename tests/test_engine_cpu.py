@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 from engine_graphs import step_graph, wide_graph
+from turnip.engine.completions import COMPLETIONS
 from turnip.engine.errors import EngineError
 from turnip.ir import memgraph as mgmod
 from turnip.ir.memgraph import Kind, Stream
@@ -142,12 +143,17 @@ def test_missing_backend_and_unknown_device_are_clear():
         assert mg.runtime is None
 
 
-@pytest.mark.parametrize("bad", [-1, 2.5, True, "4"])
-def test_transfer_ahead_is_checked_before_the_step_runs(bad):
+@pytest.mark.parametrize(("keyword", "bad"), [("transfer_ahead", b) for b in (-1, 2.5, True, "4")]
+                         + [("completion", b) for b in ("poll", 0, "EVENTS")])
+def test_run_options_are_checked_before_the_step_runs(keyword, bad):
     mg, batch, _ = step_graph()
     before = {k: v.clone() for k, v in mg.state_dict().items()}
-    with pytest.raises(ValueError, match="transfer_ahead"):
-        engine.run(mg, batch(1), transfer_ahead=bad)
+    with pytest.raises(ValueError, match=keyword):
+        engine.run(mg, batch(1), **{keyword: bad})
     for key, tensor in mg.state_dict().items():  # nothing ran: the weights are as they were
         assert torch.equal(tensor, before[key])
-    engine.run(mg, batch(1), transfer_ahead=2)  # a count is taken (the CPU backend has no copy streams)
+    assert mg.runtime is None or mg.runtime.step == 0
+    # a count is taken (the CPU backend has no copy streams); both completion names are taken on the
+    # CPU, whose workers always report by queue
+    for good in ((2,) if keyword == "transfer_ahead" else COMPLETIONS):
+        engine.run(mg, batch(1), **{keyword: good})

@@ -24,13 +24,12 @@ from turnip.bench.peers.common import (
     PeerResult,
     Workload,
     guarded,
-    timed_steps,
     trainable,
     trainable_bytes,
     unavailable,
 )
 from turnip.bench.peers.zero3 import parameter_bytes, partition_to_host, start_single_process
-from turnip.bench.peers.zero_offload import ds_config
+from turnip.bench.peers.zero_offload import ds_config, time_engine_steps
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +64,7 @@ def run(workload: Workload, device, steps: int, warmup: int = 1, deadline: float
         result.extra["init_s"] = time.perf_counter() - started
         result.extra["init_peak_allocated"] = int(torch.cuda.max_memory_allocated(device))
         log.info("%s: partition + deepspeed.initialize took %.1f s", SYSTEM, result.extra["init_s"])
-        batch = workload.batch_on(device)
-
-        def step():
-            loss = workload.loss_fn(engine, batch)
-            engine.backward(loss)
-            engine.step()
-            return loss
-
-        timed_steps(result, step, steps, device, warmup=warmup, deadline=deadline)
+        time_engine_steps(result, engine, workload, device, steps, warmup, deadline)
 
     result = guarded(result, device, body, limit_s)
     if result.status == OK:

@@ -102,6 +102,21 @@ def estimated_bytes(workload: Workload, stage: int, bf16_weights: bool) -> tuple
     return nbytes, nbytes
 
 
+def time_engine_steps(result: PeerResult, engine, workload: Workload, device, steps: int, warmup: int,
+                      deadline: float | None) -> None:
+    """Time ``steps`` training steps of a DeepSpeed engine (loss, engine.backward, engine.step) into
+    ``result``, after ``warmup`` untimed ones."""
+    batch = workload.batch_on(device)
+
+    def step():
+        loss = workload.loss_fn(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    timed_steps(result, step, steps, device, warmup=warmup, deadline=deadline)
+
+
 def run_config(system: str, workload: Workload, device, steps: int, stage: int, bf16_weights: bool,
                warmup: int = 1, deadline: float | None = None, limit_s: float | None = None) -> PeerResult:
     math = BF16_WEIGHTS if bf16_weights else EAGER_MATH
@@ -129,15 +144,7 @@ def run_config(system: str, workload: Workload, device, steps: int, stage: int, 
         log.info("%s: deepspeed.initialize took %.1f s", system, result.extra["init_s"])
         if is_cuda(device):
             result.extra["init_peak_allocated"] = int(torch.cuda.max_memory_allocated(device))
-        batch = workload.batch_on(device)
-
-        def step():
-            loss = workload.loss_fn(engine, batch)
-            engine.backward(loss)
-            engine.step()
-            return loss
-
-        timed_steps(result, step, steps, device, warmup=warmup, deadline=deadline)
+        time_engine_steps(result, engine, workload, device, steps, warmup, deadline)
 
     result = guarded(result, device, body, limit_s)
     if result.status == OK:
