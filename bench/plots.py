@@ -281,7 +281,8 @@ def plot_prefill(rows: list[dict], path: str | Path, title: str = "") -> Path:
     lines: dict[tuple, list] = defaultdict(list)
     for row in rows:
         lines[(row["system"], row.get("budget"))].append(row)
-    styles = {"eager": ("black", "s"), "turnip": ("tab:red", "o"), "accelerate": ("tab:blue", "^")}
+    styles = {"eager": ("black", "s"), "turnip": ("tab:red", "o"), "accelerate": ("tab:blue", "^"),
+              "zero_inference": ("tab:green", "D")}
     dashes = ["-", "--", ":", "-."]
     budgets = sorted({str(r.get("budget")) for r in rows if r.get("budget") is not None})
     failed = []
@@ -315,6 +316,19 @@ def plot_prefill(rows: list[dict], path: str | Path, title: str = "") -> Path:
     return path
 
 
+def merged_prefill_rows(docs: list[dict]) -> list[dict]:
+    """The rows of split prefill runs of one model, each (system, budget, length) once: the first run's
+    (eager runs in each as the reference, and one eager line is what the figure wants)."""
+    seen, rows = set(), []
+    for doc in docs:
+        for row in doc.get("rows", []):
+            key = (row.get("system"), str(row.get("budget")), row.get("seq"))
+            if key not in seen:
+                seen.add(key)
+                rows.append(row)
+    return rows
+
+
 def redraw(folder: str | Path) -> list[Path]:
     """Every figure that the JSON in ``folder`` supports."""
     folder = Path(folder)
@@ -330,9 +344,13 @@ def redraw(folder: str | Path) -> list[Path]:
                             title=trace.stem.removeprefix("trace_"))
         if png:
             out.append(png)
+    by_model: dict[str, list[dict]] = defaultdict(list)  # split runs (--tag) of one model: one figure
     for file in sorted(folder.glob("prefill*.json")):
         doc = json.loads(file.read_text())
-        out.append(plot_prefill(doc.get("rows", []), file.with_suffix(".png"), title=doc.get("model", file.stem)))
+        by_model[doc.get("model", file.stem)].append(doc)
+    for k, (model, docs) in enumerate(sorted(by_model.items())):
+        name = "prefill.png" if len(by_model) == 1 else f"prefill_{k}.png"
+        out.append(plot_prefill(merged_prefill_rows(docs), folder / name, title=model))
     for file in sorted(folder.glob("ablation*.json")):
         doc = json.loads(file.read_text())
         if doc.get("sim_rows"):

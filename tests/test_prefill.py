@@ -39,4 +39,16 @@ def test_the_prefill_plot_is_drawn_from_the_json(tmp_path):
 
     prefill.main(["--tiny", "--out", str(tmp_path), "--budgets", "0.6,1KiB"])  # 1KiB: an infeasible cell
     drawn = redraw(tmp_path)
-    assert tmp_path / "prefill-tiny.png" in drawn and (tmp_path / "prefill-tiny.png").stat().st_size > 10_000
+    assert tmp_path / "prefill.png" in drawn and (tmp_path / "prefill.png").stat().st_size > 10_000
+
+
+def test_split_prefill_runs_draw_one_figure_with_one_eager_line(tmp_path):
+    from turnip.bench.plots import merged_prefill_rows
+
+    prefill.main(["--tiny", "--out", str(tmp_path), "--budgets", "0.6", "--tag", "a"])
+    prefill.main(["--tiny", "--out", str(tmp_path), "--budgets", "0.6", "--systems", "eager", "--tag", "b"])
+    docs = [json.loads((tmp_path / f"prefill-tiny_{t}.json").read_text()) for t in "ab"]
+    rows = merged_prefill_rows(docs)
+    eager = [r for r in rows if r["system"] == "eager"]
+    assert eager and eager == [r for r in docs[0]["rows"] if r["system"] == "eager"]  # the first run's
+    assert any(r["system"] == "turnip" for r in rows)
