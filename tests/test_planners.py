@@ -673,15 +673,15 @@ def test_auto_candidates_also_plan_the_whole_budget(small_gpt):
 
 
 def test_the_auto_problems_are_planned_side_by_side(small_gpt, monkeypatch):
-    """plan_candidates plans the default-headroom, the whole-budget and the short-chain problems on
-    threads of their own (HiGHS releases the GIL, so one ILP runs while another problem is searched):
-    each fake planner below waits for the others, which only returns when all run at once."""
+    """plan_candidates plans the default-headroom, the near-whole, the whole-budget and the short-chain
+    problems on threads of their own (HiGHS releases the GIL, so one ILP runs while another problem is
+    searched): each fake planner below waits for the others, which only returns when all run at once."""
     import threading
 
     from turnip.planners import driver
 
     tg, peak = small_gpt
-    together = threading.Barrier(3, timeout=10)
+    together = threading.Barrier(4, timeout=10)
 
     def fake(tg, gpu_budget, cpu_budget, method, time_limit, costs, describe, **opts):
         together.wait()  # raises BrokenBarrierError unless the other problems are planned meanwhile
@@ -689,7 +689,8 @@ def test_the_auto_problems_are_planned_side_by_side(small_gpt, monkeypatch):
 
     monkeypatch.setattr(driver, "_candidates", fake)
     assert driver.plan_candidates(tg, int(0.4 * peak), alignment=64) == [  # in order
-        ("default", None), (1.0, None), (1.0, driver.SHORT_CHAIN)]
+        ("default", None), (driver.NEAR_WHOLE, None), (1.0, None), (1.0, driver.SHORT_CHAIN)]
     # a caller's own max_chain is one problem fewer
-    together = threading.Barrier(2, timeout=10)
-    assert driver.plan_candidates(tg, int(0.4 * peak), alignment=64, max_chain=3) == [("default", 3), (1.0, 3)]
+    together = threading.Barrier(3, timeout=10)
+    assert driver.plan_candidates(tg, int(0.4 * peak), alignment=64, max_chain=3) == [
+        ("default", 3), (driver.NEAR_WHOLE, 3), (1.0, 3)]
