@@ -99,9 +99,10 @@ def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = Non
     run_plan returns, then the greedy plan the ILP started from when it fits the model too; and,
     for method "auto" without an explicit headroom, the same two planned against NEAR_WHOLE of the
     budget and against the whole budget (headroom 1.0), and (without an explicit max_chain) against
-    the whole budget with recompute chains of at most SHORT_CHAIN vertices. The default headroom keeps slack for fragmentation and prefetching, which costs
-    transfers when the budget is only just below the peak; whether the builder fits a plan of the
-    whole budget without evicting more is known only once built."""
+    the whole budget with recompute chains of at most SHORT_CHAIN vertices. The default headroom
+    keeps slack for fragmentation and prefetching, which costs transfers when the budget is only
+    just below the peak; whether the builder fits a plan of the whole budget without evicting more
+    is known only once built."""
     if not (method == "auto" and "headroom" not in opts):
         return _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, describe, **opts)
     costs = costs if costs is not None else default_costs(tg)
