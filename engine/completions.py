@@ -94,7 +94,9 @@ class Lane:
         self.stream = stream
         self.handle = stream.cuda_stream  # the raw cudaStream_t, for cudaLaunchHostFunc
         self.compute = compute
-        self.depth = depth  # units reported to the loop at enqueue while still unfinished (0: none)
+        self.host = getattr(stream, "host", False)  # engine/host_lane.py: reported only when run
+        self.errors: dict[int, BaseException] = {}  # host units that raised, by unit
+        self.depth = 0 if self.host else depth  # units reported to the loop at enqueue while unfinished
         self.in_flight: collections.deque = collections.deque()
         # enqueued, not yet told to the loop: at most one, since the loop gives a stream instance its
         # next unit only once the last one was reported
@@ -106,7 +108,8 @@ class Lane:
         self.in_flight.clear()
         self.unreported.clear()
         self.reported_in_flight = 0
-        self.depth = depth
+        self.errors.clear()
+        self.depth = 0 if self.host else depth
 
 
 class LaneCompletions:
@@ -166,10 +169,14 @@ class LaneCompletions:
         else:  # unreported units are in launch order too: this one is the first of them
             lane.unreported.popleft()
             self.reported[unit] = 1
-            self.ready.append(Completion(unit, None, 0.0, time.perf_counter()))
+            error = lane.errors.pop(unit, None) if lane.host else None
+            self.ready.append(Completion(unit, error, 0.0, time.perf_counter()))
         while (lane.unreported and lane.reported_in_flight < lane.depth
                and (self.shared_workspace or not self.needs[lane.unreported[0]])):
             self._report_early(lane, lane.unreported.popleft())
+
+    def host_ran(self, unit: int) -> None:
+        """Called on the host lane's worker thread when host unit ``unit`` has run (or failed)."""
 
     def _report_early(self, lane: Lane, unit: int) -> None:
         lane.reported_in_flight += 1
@@ -224,8 +231,12 @@ class CallbackCompletions(LaneCompletions):
             self.fired.get()
 
     def enqueued(self, lane: Lane, unit: int) -> None:
-        self._launch_host_func(lane.handle, self._fire, unit)
+        if not lane.host:  # the host lane's worker fires itself (host_ran)
+            self._launch_host_func(lane.handle, self._fire, unit)
         super().enqueued(lane, unit)
+
+    def host_ran(self, unit: int) -> None:
+        self._fire(unit)
 
     def get(self) -> Completion:
         ready = self.ready

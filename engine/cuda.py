@@ -45,6 +45,7 @@ from turnip.engine.completions import (
 )
 from turnip.engine.cuda_graphs import SegmentGraphs
 from turnip.engine.errors import EngineError
+from turnip.engine.host_lane import HostDone, HostStream
 from turnip.engine.host_memory import describe_host, host_memory
 from turnip.engine.loop import Launch
 from turnip.engine.resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD
@@ -69,7 +70,9 @@ class CudaRuntime(Runtime):
         super().__init__(mg)
         graph = self.graph
         n = graph.n
-        self.events = [torch.cuda.Event() for _ in range(n)]
+        # a host unit's entry is a HostDone flag (engine/host_lane.py), queried like an event
+        self.events = [HostDone() if graph.keys[graph.key_of[u]][0] is Stream.HOST else torch.cuda.Event()
+                       for u in range(n)]
         self.preds = graph.predecessors()
         self.crosses_keys = crosses_keys(graph)  # the units another stream class may wait for
         self.lanes: dict[tuple[int, int], Lane] = {}
@@ -138,6 +141,8 @@ class CudaRuntime(Runtime):
     def close(self) -> None:
         for lane in self.lanes.values():
             lane.stream.synchronize()
+            if lane.host:
+                lane.stream.close()
         self.lanes.clear()
         self.segment_graphs.clear()
         self.host_out.clear()
@@ -195,7 +200,9 @@ class CudaRuntime(Runtime):
         if lane is None:
             stream_class, dev = self.graph.keys[item.key]
             compute = stream_class is Stream.COMPUTE
-            lane = Lane(torch.cuda.Stream(device=torch.device("cuda", dev)), compute, self._depth(compute))
+            stream = (HostStream(f"turnip-host-{item.instance}") if stream_class is Stream.HOST
+                      else torch.cuda.Stream(device=torch.device("cuda", dev)))
+            lane = Lane(stream, compute, self._depth(compute))
             self.lanes[(item.key, item.instance)] = lane
         return lane
 
@@ -205,6 +212,9 @@ class CudaRuntime(Runtime):
         stream = lane.stream
         completions = self.completions
         finished, lane_of, events = completions.finished, completions.lane_of, self.events
+        if lane.host:
+            self._launch_host(unit, lane)
+            return
         for p in self.preds[unit]:
             if not finished[p] and lane_of[p] is not lane:
                 stream.wait_event(events[p])
@@ -225,6 +235,29 @@ class CudaRuntime(Runtime):
         if self._record_every or self.crosses_keys[unit] or self._shared_keys[item.key]:
             events[unit].record(stream)
         completions.enqueued(lane, unit)
+
+    def _launch_host(self, unit: int, lane: Lane) -> None:
+        """Queue a host unit on the host lane's worker: it waits for its GPU predecessors' events
+        (those the loop has not seen finish), runs on pinned storage, then sets its flag."""
+        completions = self.completions
+        waits = [self.events[p] for p in self.preds[unit] if not completions.finished[p]]
+        done = self.events[unit]
+        done.clear()
+        head, mg = self.graph.head[unit], self.mg
+
+        def job() -> None:
+            try:
+                for event in waits:
+                    event.synchronize()
+                self.execute(mg, head)
+            except Exception as exc:  # noqa: BLE001 - reported as the unit's failure by the loop
+                exc.failed_vertex = head
+                lane.errors[unit] = exc
+            done.set()
+            completions.host_ran(unit)
+
+        completions.enqueued(lane, unit)
+        lane.stream.submit(job)
 
     # -- vertices (run on the loop thread, on the current stream: the lane's) -----------------
     def run_compute(self, vid: int, prepared: PreparedVertex) -> None:

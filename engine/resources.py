@@ -33,10 +33,11 @@ WORKSPACE = "workspace"  # the name StaticGraph.needs gives the WorkspacePool
 # On CUDA one compute stream with launch-ahead (engine/cuda.py) measured
 # fastest (bench/engine_overhead.py: 3 compute streams cost 2.5 us more per
 # vertex), and large kernels fill the GPU alone; two streams per copy
-# direction keep a copy engine busy while the loop notices the last one end.
+# direction keep a copy engine busy while the loop notices the last one end. One host lane: a CPU
+# optimizer update already spreads over every core (torch's intra-op threads).
 DEFAULT_STREAMS = {
-    "cpu": {Stream.COMPUTE: 2, Stream.H2D: 1, Stream.D2H: 1},
-    "cuda": {Stream.COMPUTE: 1, Stream.H2D: 2, Stream.D2H: 2},
+    "cpu": {Stream.COMPUTE: 2, Stream.H2D: 1, Stream.D2H: 1, Stream.HOST: 1},
+    "cuda": {Stream.COMPUTE: 1, Stream.H2D: 2, Stream.D2H: 2, Stream.HOST: 1},
 }
 
 

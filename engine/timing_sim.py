@@ -76,12 +76,14 @@ from turnip.engine.policy import Policy, make_policy
 from turnip.engine.resources import CUDA_LAUNCH_AHEAD, StreamPool, WorkspacePool, stream_counts, transfer_depth
 from turnip.engine.runtime import arena_devices, workspace_capacity
 from turnip.ir.memgraph import Kind, MemGraph, MVertex, Stream
+from turnip.ir.optimizer import update_elements
 
 log = logging.getLogger(__name__)
 
 # Same figures as planners.costs.H100 (kept here so the simulator needs no planner module).
 DEFAULT_BANDWIDTH = 50e9  # pinned host <-> device bytes/s, each direction
 DEFAULT_HBM = 3e12  # device memory bytes/s, for COPY vertices
+DEFAULT_HOST_UPDATE_RATE = 4.9e9  # parameters/s of a CPU AdamW step (planners.costs.DeviceSpec's figure)
 
 
 class Span(NamedTuple):
@@ -192,6 +194,9 @@ class _Durations:
         if not 0 <= mv.task_vertex < len(tg.vertices):
             return 0.0
         tv = tg.vertices[mv.task_vertex]
+        if mv.stream is Stream.HOST:  # the host's cores, not the GPU: the op's GPU time says nothing
+            rate = getattr(self.model, "host_update_rate", None) or DEFAULT_HOST_UPDATE_RATE
+            return update_elements(tv) / rate
         t = float(tv.time)
         if t <= 0 and self.model is not None:
             t = float(self.model.estimate(tg, tv)[0])
@@ -305,9 +310,10 @@ class _Sim:
         lane = self.lanes.get((key, inst))
         if lane is None:
             stream, dev = self.g.keys[key]
-            pool_name = stream.value if (self.duplex or stream is Stream.COMPUTE) else "link"
+            pool_name = stream.value if (self.duplex or stream in (Stream.COMPUTE, Stream.HOST)) else "link"
             name = f"{stream.value} {inst}" + (f" @{dev}" if dev else "")
-            lane = _Lane(name, (pool_name, dev), self.depth if stream is Stream.COMPUTE else self.transfer_depth)
+            depth = {Stream.COMPUTE: self.depth, Stream.HOST: 0}.get(stream, self.transfer_depth)
+            lane = _Lane(name, (pool_name, dev), depth)
             self.lanes[(key, inst)] = lane
         return lane
 

@@ -29,7 +29,7 @@ FORMAT_VERSION = serialize.VERSION
 
 
 class Kind(str, enum.Enum):
-    COMPUTE = "compute"  # runs a TaskGraph vertex's op into arena views
+    COMPUTE = "compute"  # runs a TaskGraph vertex's op into arena views (Stream.HOST: into CPU storage)
     OFFLOAD = "offload"  # arena -> CPU storage slot
     RELOAD = "reload"  # CPU storage slot -> arena
     INPUT = "input"  # user batch tensor -> arena
@@ -41,6 +41,7 @@ class Stream(str, enum.Enum):
     COMPUTE = "compute"
     H2D = "h2d"
     D2H = "d2h"
+    HOST = "host"  # a compute vertex run by the host's cores on pinned CPU storage (an optimizer update)
 
 
 class Edge(str, enum.Enum):

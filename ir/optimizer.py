@@ -101,6 +101,22 @@ class OptimizerSpec:
         return out
 
 
+def update_elements(vertex) -> int:
+    """Parameters an optimizer update vertex steps: the elements of the tensors its first argument
+    lists (a fused multi-tensor update's parameters; a single tensor's own)."""
+    first = vertex.args[0] if vertex.args else ()
+    params = first if isinstance(first, (list, tuple)) else (first,)
+    total = 0
+    for ref in params:
+        size = getattr(ref, "size", None)
+        if size is not None:
+            n = 1
+            for d in size:
+                n *= int(d)
+            total += n
+    return total
+
+
 def state_value_name(param: str, key: str) -> str:
     """The TaskGraph name of optimizer state `key` of parameter `param` (e.g. "opt:fc.weight.exp_avg")."""
     return f"opt:{param}.{key}"

@@ -8,6 +8,9 @@ A Plan never mentions how it was found (ILP, greedy, by hand). It says:
   their next use (BuildMemGraph may evict more when memory runs out);
 - ``home``: where each persistent input (parameter, optimizer state, frozen
   weight, constant) lives between steps: "gpu" (default) or "cpu";
+- ``host_update``: optimizer update vertices run by the host's cores on the CPU homes of their
+  parameters and states (ZeRO-Offload's CPU step, chosen per update): the gradient is copied to
+  pinned memory and nothing of the update touches the GPU;
 - budgets and the planner's predictions, so runs can be compared with them.
 """
 
@@ -40,6 +43,7 @@ class Plan:
     # fetches it once per run of nearby readers, and the builder frees it where each run but the
     # last ends (it is fetched again before its next reader)
     release_after: dict[int, list[int]] = field(default_factory=dict)
+    host_update: set[int] = field(default_factory=set)  # TaskGraph update vertices run on the host
     planner: str = "none"
     predicted_time: float | None = None  # seconds per step
     predicted_peak: int | None = None  # bytes

@@ -45,8 +45,9 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 FORMAT = "turnip.memgraph"
 # 1 was a pickle, which loading refuses: it could run code; 2 the first zip of JSON and safetensors;
 # 3 added MemGraph.segments, TaskGraph.batch_constants, OptimizerSpec.params and Plan.release_after;
-# 4 added TaskGraph.accumulation_steps. A file is read only by the turnip of its version.
-VERSION = 4
+# 4 added TaskGraph.accumulation_steps; 5 Plan.host_update (and Stream "host"). A file is read only by
+# the turnip of its version.
+VERSION = 5
 GRAPH_MEMBER = "graph.json"
 STATE_MEMBER = "state.safetensors"
 

@@ -26,6 +26,8 @@ from turnip.memgraph.trace import target_device, trace
 from turnip.planners.cache import CachedPlan, PlanCache, plan_key
 from turnip.planners.costs import default_costs
 from turnip.planners.driver import check_options, plan_candidates, run_plan, step_floor
+from turnip.planners.host_update import check_mode as check_host_update
+from turnip.planners.host_update import host_update_candidates
 from turnip.planners.measure import device_name
 
 UNBOUNDED = 1 << 62  # a budget nothing ever exceeds
@@ -46,7 +48,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             planner: str = "auto", cpu_budget: int | str | None = None, alignment: int | None = None,
             fused_optimizer: bool | None = None, max_grad_norm: float | None = None, norm_type: float = 2.0,
             accumulation_steps: int = 1, verbose: bool = True, cache: bool | str | os.PathLike = True,
-            backward: bool = True, split: str | int = "auto", **planner_options) -> MemGraph:
+            backward: bool = True, split: str | int = "auto", host_update: str = "auto",
+            **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
 
     budget: how much GPU memory the step may use (ir/budget.py):
@@ -106,6 +109,12 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     the traced step (structure, shapes, dtypes, op costs), the budgets in bytes, the device, the
     planner and its options; a second compile of the same step skips planning. A path: that
     folder. False: plan every time, store nothing.
+    host_update: which optimizer updates the host's cores run on the CPU homes of their parameters
+    and states, the gradient copied to pinned memory (ZeRO-Offload's CPU step, per fused Adam/AdamW
+    update: planners/host_update.py): "auto" (on CUDA with planner "auto": plans with and without,
+    the simulator picks), "off", or "all" (every fused update, its parameters and states homed on
+    the CPU). Needs the fused optimizer (the CUDA default); the CPU kernel is torch's, within
+    float tolerance of the CUDA one (not bitwise).
     planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
     the ILP solver may run; default None, scaled to the problem: planners/driver.py's
     ilp_time_limit, 0.5 ms per binary variable, 3 ms with op costs measured on the GPU, within
@@ -116,6 +125,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     planners.costs.CostModel (default: measured on a present CUDA device, analytic otherwise).
     """
     check_budget(budget)  # a budget that cannot be read fails before tracing, not after
+    check_host_update(host_update)
     if cpu_budget is not None:
         check_budget(cpu_budget, what="cpu_budget")
     store = PlanCache.open(cache)
@@ -154,7 +164,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
 
             def key_for(cpu_bytes: int | None) -> str:
                 return plan_key(tg, gpu_budget, cpu_bytes, device=str(device), planner=planner,
-                                options=planner_options, alignment=alignment, costs=costs)
+                                options={**planner_options, "host_update": host_update}, alignment=alignment,
+                                costs=costs)
 
             candidates, key, hit = None, None, None
             if gpu_budget < peak and planner != "none" and store is not None:
@@ -165,7 +176,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             elif gpu_budget < peak:
                 progress.describe("planning", _planning_detail(planner, planner_options))
                 candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
-                                       planner_options)
+                                       planner_options, host_update)
 
         def build_and_store(candidates: list[Plan], cpu_bytes: int | None, key: str | None) -> MemGraph:
             mg, walk = build_candidates(tg, candidates, alignment, costs, device.type)
@@ -181,7 +192,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             mg = build_cached(tg, hit, alignment) if hit is not None else None
             if hit is not None and mg is None:  # the cached plan did not build: plan afresh, overwrite it
                 candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
-                                       planner_options)
+                                       planner_options, host_update)
             if mg is not None:
                 mg.stats["plan_cache"] = "hit"
             elif candidates is None:  # everything fits: nothing to plan
@@ -200,7 +211,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                 key = key_for(cpu_bytes) if key else None
                 try:
                     mg = build_and_store(plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment,
-                                                   progress, planner_options), cpu_bytes, key)
+                                                   progress, planner_options, host_update), cpu_bytes, key)
                 except InfeasibleBudget as exc:
                     raise InfeasibleBudget(f"{exc} ({describe_host()}; a larger GPU budget needs less of it)",
                                            minimum=exc.minimum, vertex=exc.vertex, resource=exc.resource) from None
@@ -302,17 +313,21 @@ def _planning_detail(planner: str, options: dict) -> str:
 
 
 def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: torch.device, costs, alignment: int,
-              progress: Phases, options: dict) -> list[Plan]:
-    """The plans to build: on CUDA with planner "auto" every candidate (the simulator picks), else
-    the one plan. The progress bar names what the planner does (greedy, the ILP's time limit)."""
+              progress: Phases, options: dict, host_update: str = "off") -> list[Plan]:
+    """The plans to build: on CUDA with planner "auto" every candidate (the simulator picks), each
+    also with its updates on the host (host_update "auto"), else the one plan (host_update "all":
+    with every update on the host). The progress bar names what the planner does (greedy, the
+    ILP's time limit)."""
     def describe(detail: str) -> None:
         progress.describe("planning", detail)
 
     if planner == "auto" and device.type == "cuda":
-        return plan_candidates(tg, gpu_budget, cpu_bytes, costs=costs, alignment=alignment, describe=describe,
-                               **options)
-    return [make_plan(tg, gpu_budget, cpu_bytes, planner, costs=costs, alignment=alignment, describe=describe,
-                      **options)]
+        plans = plan_candidates(tg, gpu_budget, cpu_bytes, costs=costs, alignment=alignment, describe=describe,
+                                **options)
+        return host_update_candidates(tg, plans, host_update)
+    plan = make_plan(tg, gpu_budget, cpu_bytes, planner, costs=costs, alignment=alignment, describe=describe,
+                     **options)
+    return host_update_candidates(tg, [plan], "all" if host_update == "all" else "off")
 
 
 def build_candidates(tg, candidates: list[Plan], alignment: int, costs, backend: str) -> tuple[MemGraph, str | None]:

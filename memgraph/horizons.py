@@ -179,6 +179,8 @@ class HorizonWalk:
 
     def _prepare(self, s: int, step: tuple) -> None:
         """Make every value the step reads resident and every output reserved."""
+        if step[0] == TASK and step[1] in self.sched.host:
+            return  # the host reads pinned CPU copies (_run_host_task makes the missing ones)
         if step[0] == TASK:
             reads, outs = self.sched.inputs[step[1]], self.sched.outputs[step[1]]
         else:
@@ -318,6 +320,9 @@ class HorizonWalk:
 
     # -- running steps ------------------------------------------------------------------
     def _run_task(self, s: int, vid: int) -> None:
+        if vid in self.sched.host:
+            self._run_host_task(s, vid)
+            return
         vertex = self.tg.vertices[vid]
         ins, outs = self.sched.inputs[vid], self.sched.outputs[vid]
         in_place = self.sched.in_place.get(vid, ())
@@ -349,6 +354,41 @@ class HorizonWalk:
                 self.gpu.free(t, self.now + OFFLOAD_SETTLE_STEPS)
                 self.cur[v] = None
 
+    def _run_host_task(self, s: int, vid: int) -> None:
+        """An update the host's cores run (plan.host_update): it reads a pinned CPU copy of every input
+        (a gradient is copied there now, unless an eviction did already) and writes each new version
+        over its old one in the CPU home, after every reader of the old bytes (the reloads of this
+        step). Schedule checked that every result is such an in-place home update."""
+        ins, pairs = self.sched.inputs[vid], self.sched.in_place[vid]
+        for x in ins:
+            if self.cpu[x] is None:
+                t = self.cur[x]
+                if t is None:
+                    raise AssertionError(f"value {x} is needed on the host but is neither in the arena nor in "
+                                         f"CPU storage")
+                if not self._offload(x, t):
+                    raise OutOfMemory("cpu", s)
+                self.stats["offloads_for_host"] += 1
+        mid = self.mg.add_vertex(Kind.COMPUTE, Stream.HOST, task_vertex=vid,
+                                 reads={x: self.cpu[x].place for x in ins},
+                                 writes={new: self.cpu[old].place for old, new in pairs})
+        for x in ins:
+            self._read(self.cpu[x], mid)
+        for old, new in pairs:
+            t_old = self.cpu[old]
+            self._wait([r for r in t_old.readers if r != mid], mid)
+            t_new = Tenancy(new)
+            t_new.writer, t_new.home = mid, t_old.home
+            self.cpu_alloc.replace(t_old, t_new)
+            if t_old.home:
+                src = old if self.home_t.get(old) is t_old else next(v for v, t in self.home_t.items() if t is t_old)
+                self.home_t[src] = t_new
+            self.cpu[old] = None
+            self.cpu[new] = t_new
+        self.stats["host_updates"] += 1
+        for x in ins:
+            self._used(x)
+
     def _take_over(self, old: int, new: int, mid: int) -> None:
         """The in-place vertex mid writes new into old's bytes, after every other reader of old."""
         t_old = self.cur[old]
@@ -377,7 +417,7 @@ class HorizonWalk:
         """Put the updated value dst where src lives between steps, once src's readers are done."""
         t = self.cur[dst]
         home = self.home_t[src]
-        if t is home:  # updated in place in its GPU home: already where it belongs
+        if t is home or self.cpu[dst] is home:  # updated in place in its home: already where it belongs
             self._used(dst)
             return
         if self.sched.gpu_home[src]:

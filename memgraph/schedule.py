@@ -100,6 +100,9 @@ class Schedule:
         for vid, pairs in self.in_place.items():
             taken = {new for _, new in pairs}
             self.outputs[vid] = [o for o in self.outputs[vid] if o not in taken]
+        self.host = set(plan.host_update)
+        for vid in sorted(self.host):
+            self._check_host_update(tg, vid)
 
         # -- plan.offload: offload after production, free across the longest gap between uses,
         #    reload before the use after the gap (forward activation -> backward use) ---------
@@ -125,7 +128,9 @@ class Schedule:
         self.home_bytes = sum(self.size[v] for v in range(len(values)) if self.gpu_home[v])
         self.need = [0] * len(self.steps)
         for s, step in enumerate(self.steps):
-            if step[0] == TASK:
+            if step[0] == TASK and step[1] in self.host:
+                self.need[s] = 0  # reads and writes pinned CPU storage only
+            elif step[0] == TASK:
                 vid = step[1]
                 self.need[s] = sum(self.size[o] for o in self.outputs[vid]) + sum(
                     self.size[x] for x in self.inputs[vid] if not self.gpu_home[x])
@@ -133,6 +138,19 @@ class Schedule:
                 v = step[2]
                 self.need[s] = 0 if self.gpu_home[v] else self.size[v]
         self.max_workspace = tg.step_workspace()
+
+    def _check_host_update(self, tg: TaskGraph, vid: int) -> None:
+        """A vertex the plan runs on the host must be an optimizer update that writes every result
+        over its old version in a CPU home (nothing of it may need the arena)."""
+        if not 0 <= vid < len(tg.vertices):
+            raise ValueError(f"plan.host_update names vertex {vid}, which the TaskGraph does not have")
+        vertex = tg.vertices[vid]
+        pairs = self.in_place.get(vid, [])
+        homed = all(self.cpu_home[old] for old, _ in pairs)
+        if vertex.phase != "optimizer" or self.outputs[vid] or not pairs or not homed:
+            raise ValueError(f"plan.host_update names vertex {vid} ({vertex.op}, {vertex.phase} phase): only an "
+                             f"optimizer update whose parameters and states are all homed on the CPU, each "
+                             f"updated in place, runs on the host")
 
     def min_gpu_budget(self) -> tuple[int, int]:
         """(smallest GPU budget the builder can always run in when CPU storage is unbounded,

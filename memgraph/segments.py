@@ -19,7 +19,7 @@ Random vertices stay alone (their generator state is set per launch, which a cap
 
 from __future__ import annotations
 
-from turnip.ir.memgraph import Kind, MemGraph
+from turnip.ir.memgraph import Kind, MemGraph, Stream
 
 
 def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) -> list[list[int]]:
@@ -31,7 +31,8 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
     if max_size == 1:
         return []
     vertices, tasks = mg.vertices, mg.taskgraph.vertices
-    compute = [mv.kind is Kind.COMPUTE for mv in vertices]
+    # the host's updates (Stream.HOST) are not kernels: outside every segment, like transfers
+    compute = [mv.kind is Kind.COMPUTE and mv.stream is Stream.COMPUTE for mv in vertices]
     enters_from_outside = [False] * len(vertices)  # a predecessor that is not compute
     leaves_to_outside = [False] * len(vertices)  # a successor that is not compute
     for src, dst, _ in mg.edges:

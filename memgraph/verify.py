@@ -82,8 +82,14 @@ class _Verifier:
             if v.id != i:
                 self.report("structure", f"vertex at position {i} has id {v.id}")
                 ok = False
-            if STREAM_OF.get(v.kind) is not v.stream:
+            if STREAM_OF.get(v.kind) is not v.stream and not (v.kind is Kind.COMPUTE and v.stream is Stream.HOST):
                 self.report("structure", f"{v.kind.value} #{i} is on stream {v.stream}")
+            if v.kind is Kind.COMPUTE:  # the GPU's streams see the arena, the host's cores pinned storage
+                where = "cpu" if v.stream is Stream.HOST else "gpu"
+                stray = sorted(x for places in (v.reads, v.writes) for x, p in places.items() if p.where != where)
+                if stray:
+                    self.report("structure", f"compute #{i} on stream {v.stream.value} places values {stray[:5]} "
+                                             f"outside the {where} storage")
         self.edge_kind: dict[tuple[int, int], Edge] = {}
         self.preds: list[list[int]] = [[] for _ in range(n)]
         for src, dst, kind in mg.edges:

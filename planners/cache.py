@@ -184,6 +184,9 @@ def check_plan(plan: Any, tg: TaskGraph, gpu_budget: int, cpu_budget: int | None
         if not isinstance(after, list):
             raise TypeError("has a malformed release_after list")
         ids(after, n, "release points")
+    if not isinstance(plan.host_update, set):
+        raise TypeError("has a malformed host_update field")
+    ids(plan.host_update, n, "host-run updates")
 
 
 def _finite_or_none(x: Any) -> float | None:

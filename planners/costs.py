@@ -58,6 +58,10 @@ class DeviceSpec:
     # alone never show. Measured on an H100 (bench/engine_overhead.py): about 15 us per vertex,
     # against about 6 us for an eager PyTorch launch of the same kernel.
     host_per_vertex: float = 15e-6
+    # Parameters per second a CPU optimizer step (torch's CPU _fused_adamw_, every core) updates:
+    # the rate of the host lane that runs plan.host_update. 4.9e9 measured on the H100 machine's
+    # 16 cores; a CUDA cost model that measures replaces it with this host's own figure.
+    host_update_rate: float = 4.9e9
 
     def rate(self, dtype: Any) -> float:
         return self.flops.get(dtype_name(dtype), self.default_flops)
@@ -326,6 +330,18 @@ class CostModel:
         if self.host_override is not None:
             return self.host_override
         return self.spec.host_per_vertex if str(device).startswith("cuda") else 0.0
+
+    @property
+    def host_update_rate(self) -> float:
+        """Parameters per second the host's cores update in a CPU optimizer step (measured on CUDA
+        cost models that measure, cached with the link bandwidths; else the spec's figure)."""
+        if not self.measure or not self.device.startswith("cuda"):
+            return self.spec.host_update_rate
+        cache = self.cache
+        if "host_update" not in cache.bandwidth:
+            cache.bandwidth["host_update"] = measure.measure_host_update()
+            cache.save()
+        return cache.bandwidth["host_update"]
 
     def transfer_time(self, nbytes: int, direction: str) -> float:
         return nbytes / (self.h2d_bandwidth if direction == "h2d" else self.d2h_bandwidth)

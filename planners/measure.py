@@ -199,3 +199,20 @@ def measure_bandwidth(device: str, nbytes: int = 64 << 20, runs: int = 5) -> dic
     log.info("link bandwidth on %s: h2d %.1f GB/s, d2h %.1f GB/s", device_name(device),
              out["h2d"] / 1e9, out["d2h"] / 1e9)
     return out
+
+
+def measure_host_update(elements: int = 1 << 24, runs: int = 3) -> float:
+    """Parameters per second of a CPU AdamW step (torch's CPU _fused_adamw_ on this host's intra-op
+    threads): the rate of the engine's host lane (plan.host_update). Best of ``runs``, after one
+    untimed step that faults the pages in."""
+    param, grad = torch.zeros(elements), torch.full((elements,), 1e-3)
+    exp_avg, exp_avg_sq, step = torch.zeros(elements), torch.zeros(elements), torch.tensor(1.0)
+    samples = []
+    for _ in range(runs + 1):
+        started = time.perf_counter()
+        torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
+                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+        samples.append(time.perf_counter() - started)
+    rate = elements / min(samples[1:])
+    log.info("CPU AdamW step: %.2f G parameters/s on %d threads", rate / 1e9, torch.get_num_threads())
+    return rate

@@ -1,0 +1,110 @@
+"""Optimizer updates on the host's cores (Plan.host_update): built, verified, simulated and run on
+the CPU backend, bitwise against eager's fused AdamW (the same CPU kernel)."""
+
+import dataclasses
+
+import pytest
+import torch
+from cases import assert_same_state, eager_steps, make_case, trainable
+
+from turnip import engine, memgraph
+from turnip.engine.timing_sim import simulate
+from turnip.ir.memgraph import Kind, Stream
+from turnip.ir.plan import CPU, Plan
+from turnip.memgraph.build import build
+from turnip.memgraph.verify import verify
+from turnip.planners.host_update import fused_updates, host_update_candidates, with_host_updates
+
+
+def make_opt(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True)
+
+
+def run_steps(mg, batches, ordering="nondeterministic", seed=None):
+    mg.runtime = None
+    torch.manual_seed(123)
+    losses = [engine.run(mg, b, ordering=ordering, seed=seed)["loss"].item() for b in batches]
+    return losses, mg.state_dict()
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model, loss_fn, batches = make_case("gpt", dropout=0.1)
+    want_losses, want_state = eager_steps(model, loss_fn, batches, make_opt)
+    return model, loss_fn, batches, [x.item() for x in want_losses], want_state
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.25])
+def test_every_update_on_the_host_matches_eager(gpt, budget):
+    model, loss_fn, batches, want_losses, want_state = gpt
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=make_opt(trainable(model)), budget=budget,
+                          device="cpu", fused_optimizer=True, host_update="all", cache=False, verbose=False)
+    host = [mv for mv in mg.vertices if mv.stream is Stream.HOST]
+    assert host and len(host) == len(mg.plan.host_update) == len(fused_updates(mg.taskgraph))
+    assert all(p.where == "cpu" for mv in host for p in (*mv.reads.values(), *mv.writes.values()))
+    # no state goes through the GPU: nothing writes a state's home but its update
+    assert not any(mv.kind is Kind.OFFLOAD and mv.writes and next(iter(mv.writes.values())) in mg.homes.values()
+                   for mv in mg.vertices)
+    assert verify(mg) == []
+    for ordering, seed in [("deterministic", None), ("nondeterministic", None), ("random", 1), ("random", 2)]:
+        losses, state = run_steps(mg, batches, ordering, seed)
+        assert losses == want_losses, f"{ordering} {seed}"
+        assert_same_state(state, want_state)
+
+
+def test_verify_catches_a_host_update_that_overtakes_a_reload(gpt):
+    """The update overwrites a parameter's CPU home: every reload of the old version must come first."""
+    model, loss_fn, batches, _, _ = gpt
+    tg = memgraph.trace(model, loss_fn, batches[0], optimizer=make_opt(trainable(model)), fused_optimizer=True)
+    plan = with_host_updates(tg, Plan(gpu_budget=1 << 40, planner="none"), "all")
+    mg = build(tg, plan, alignment=64)
+    assert verify(mg) == []
+    first = min(mv.id for mv in mg.vertices if mv.stream is Stream.HOST)
+    homes = {p for p in mg.homes.values() if p.where == "cpu"}
+    reloads = {mv.id for mv in mg.vertices if mv.kind is Kind.RELOAD and set(mv.reads.values()) & homes}
+    assert any(src in reloads for src, dst, _ in mg.edges if dst == first), \
+        "a host update should wait for the reloads of the homes it overwrites"
+    # nothing orders the update after anything: it may overwrite a home while a reload reads it
+    broken = dataclasses.replace(mg, edges=[e for e in mg.edges if e[1] != first])
+    races = [str(p) for p in verify(broken) if "race in cpu bytes" in str(p) and "(reload)" in str(p)]
+    assert races and f"vertex {first} " in races[0]
+
+
+def test_host_lane_is_simulated_at_the_host_rate(gpt):
+    model, loss_fn, batches, _, _ = gpt
+    tg = memgraph.trace(model, loss_fn, batches[0], optimizer=make_opt(trainable(model)), fused_optimizer=True)
+    for v in tg.vertices:
+        v.time = 1e-6
+    plan = with_host_updates(tg, Plan(gpu_budget=1 << 40, planner="none"), "all")
+    mg = build(tg, plan, alignment=64)
+
+    class Rates:
+        h2d_bandwidth = d2h_bandwidth = 1e12
+        host_update_rate = 1.0  # one parameter a second: the host lane is the whole step
+
+    sim = simulate(mg, Rates(), backend="cpu")
+    params = sum(p.numel() for p in trainable(model))
+    assert sim.step_time >= params
+    assert any(entry[1].startswith("host") for entry in sim.timeline)
+
+
+def test_candidates_add_host_variants_and_refuse_unknown_modes(gpt):
+    model, loss_fn, batches, _, _ = gpt
+    tg = memgraph.trace(model, loss_fn, batches[0], optimizer=make_opt(trainable(model)), fused_optimizer=True)
+    updates = fused_updates(tg)
+    some = next(iter(updates))
+    plan = Plan(gpu_budget=1 << 40, planner="greedy", home={v: CPU for v in updates[some]})
+    plans = host_update_candidates(tg, [plan], "auto")
+    assert plans[0] is plan
+    assert [p.host_update for p in plans[1:]] == [{some}, set(updates)]
+    assert host_update_candidates(tg, [plan], "off") == [plan]
+    with pytest.raises(ValueError, match="host_update"):
+        host_update_candidates(tg, [plan], "sometimes")
+
+
+def test_a_host_update_that_is_not_homed_on_the_cpu_is_refused(gpt):
+    model, loss_fn, batches, _, _ = gpt
+    tg = memgraph.trace(model, loss_fn, batches[0], optimizer=make_opt(trainable(model)), fused_optimizer=True)
+    some = next(iter(fused_updates(tg)))
+    with pytest.raises(ValueError, match="homed on the CPU"):
+        build(tg, Plan(gpu_budget=1 << 40, planner="none", host_update={some}), alignment=64)
