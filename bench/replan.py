@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from turnip.bench.models.sizes import make_workload
 from turnip.bench.options import planner_options
+from turnip.planners.host_update import host_update_candidates
 from turnip.bench.peers.common import Workload
 from turnip.bench.peers.isolated import resolve
 from turnip.bench.results import result_path, run_metadata
@@ -92,7 +93,7 @@ def offline_costs(facts: dict) -> CostModel:
     return CostModel(device="cuda", spec=spec, measure=False)
 
 
-def replan(step: Path, budgets: list[str], options: dict) -> list[dict]:
+def replan(step: Path, budgets: list[str], options: dict, host_update: str = "auto") -> list[dict]:
     """One row per candidate MemGraph per budget (see the module docstring)."""
     tg = load_step(step)
     facts = json.loads(step.with_suffix(".json").read_text())
@@ -110,7 +111,8 @@ def replan(step: Path, budgets: list[str], options: dict) -> list[dict]:
     for text in budgets:
         budget = _budget(text, eager_peak, peak)
         started = time.perf_counter()
-        plans = plan_candidates(tg, budget, None, costs=costs, alignment=ALIGNMENT, **options)
+        plans = host_update_candidates(tg, plan_candidates(tg, budget, None, costs=costs, alignment=ALIGNMENT,
+                                                           **options), host_update)
         plan_s = time.perf_counter() - started
         for k, plan in enumerate(plans):
             for walk, mg in zip(("ahead", "compact"), build_walks(tg, plan, alignment=ALIGNMENT), strict=False):
@@ -171,6 +173,8 @@ def main(argv=None) -> int:
     pl.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE",
                     help="a planner option (value read as JSON), e.g. time_limit=10; repeatable")
     pl.add_argument("--out", default=None, help="folder for replan_<model>.json (default: the step's)")
+    pl.add_argument("--host-update", default="auto", choices=("auto", "off", "all"),
+                    help="optimizer updates on the host's cores, as memgraph.compile's host_update")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -186,7 +190,7 @@ def main(argv=None) -> int:
         return 0
     options = planner_options(args.planner_option)
     step = Path(args.step)
-    rows = replan(step, [b for b in args.budgets.split(",") if b], options)
+    rows = replan(step, [b for b in args.budgets.split(",") if b], options, args.host_update)
     out = Path(args.out) if args.out else step.parent
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"replan_{rows[0]['model'] if rows else step.stem}.json"

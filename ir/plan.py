@@ -10,7 +10,8 @@ A Plan never mentions how it was found (ILP, greedy, by hand). It says:
   weight, constant) lives between steps: "gpu" (default) or "cpu";
 - ``host_update``: optimizer update vertices run by the host's cores on the CPU homes of their
   parameters and states (ZeRO-Offload's CPU step, chosen per update): the gradient is copied to
-  pinned memory and nothing of the update touches the GPU;
+  pinned memory and nothing of the update touches the GPU; ``resident``: CPU-homed values kept
+  in the arena from their first fetch on (such a parameter, fetched once per step);
 - budgets and the planner's predictions, so runs can be compared with them.
 """
 
@@ -44,6 +45,9 @@ class Plan:
     # last ends (it is fetched again before its next reader)
     release_after: dict[int, list[int]] = field(default_factory=dict)
     host_update: set[int] = field(default_factory=set)  # TaskGraph update vertices run on the host
+    # CPU-homed values whose arena copy stays from their first fetch to their last use (a parameter
+    # updated on the host, which the plan would otherwise have kept in a GPU home)
+    resident: set[int] = field(default_factory=set)
     planner: str = "none"
     predicted_time: float | None = None  # seconds per step
     predicted_peak: int | None = None  # bytes

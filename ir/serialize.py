@@ -45,9 +45,10 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 FORMAT = "turnip.memgraph"
 # 1 was a pickle, which loading refuses: it could run code; 2 the first zip of JSON and safetensors;
 # 3 added MemGraph.segments, TaskGraph.batch_constants, OptimizerSpec.params and Plan.release_after;
-# 4 added TaskGraph.accumulation_steps; 5 Plan.host_update (and Stream "host"). A file is read only by
-# the turnip of its version.
+# 4 added TaskGraph.accumulation_steps; 5 Plan.host_update and .resident (and Stream "host"). A file of version 4
+# reads as one of 5 with no host updates (ADDED_FIELDS); other versions are read only by their turnip.
 VERSION = 5
+ADDED_FIELDS = {"Plan": {"host_update": 5, "resident": 5}}  # class -> field -> the version that added it (it has a default)
 GRAPH_MEMBER = "graph.json"
 STATE_MEMBER = "state.safetensors"
 
@@ -87,7 +88,8 @@ class Codec:
     nothing else, so the registry is what keeps loading free of code.
     """
 
-    def __init__(self, types: Iterable[type]):
+    def __init__(self, types: Iterable[type], version: int = VERSION):
+        self.version = version  # of the file decoded: fields added since then take their defaults
         self.types: dict[str, type] = {}
         for cls in types:
             if not (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)):
@@ -266,7 +268,8 @@ class Codec:
             return cls(self.decode(v, tensors))
         if type(v) is not dict:
             raise ValueError(f"{tag} holds {_short_repr(v)}, not its fields")
-        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        added = ADDED_FIELDS.get(tag, {})
+        names = {f.name for f in dataclasses.fields(cls) if f.init and added.get(f.name, 0) <= self.version}
         if set(v) != names:
             raise ValueError(f"{tag} has fields {sorted(v)}, expected {sorted(names)}")
         return cls(**{k: self.decode(x, tensors) for k, x in v.items()})
@@ -332,14 +335,14 @@ def load(path: str | Path, types: Iterable[type]) -> Any:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else None
         raise ValueError(f"{path} is not a turnip MemGraph file: format {found!r}, expected {FORMAT!r}")
-    if doc.get("version") != VERSION:
-        raise ValueError(f"{path} has MemGraph format version {doc.get('version')!r}, this turnip reads {VERSION}")
+    if doc.get("version") not in (4, VERSION):
+        raise ValueError(f"{path} has MemGraph format version {doc.get('version')!r}, this turnip reads 4 and {VERSION}")
     try:
         tensors = load_tensors(state)
     except Exception as exc:  # safetensors reports a bad header in its own error types
         raise ValueError(f"{path}: {STATE_MEMBER} is not a valid safetensors file ({exc})") from exc
     try:
-        return Codec(types).decode(doc.get("memgraph"), tensors)
+        return Codec(types, doc["version"]).decode(doc.get("memgraph"), tensors)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:
         raise ValueError(f"{path}: corrupted MemGraph file ({type(exc).__name__}: {exc})") from exc
 

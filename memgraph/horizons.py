@@ -30,7 +30,7 @@ from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph.alloc import START, RangeAllocator, Tenancy, wait_for
 from turnip.memgraph.packing import pack, stays
 from turnip.memgraph.reduce import reduce_memory_edges
-from turnip.memgraph.schedule import OUT, TASK, Schedule
+from turnip.memgraph.schedule import OUT, TASK, WB, Schedule
 
 UNBOUNDED = 1 << 60  # pinned CPU storage limit when the plan sets none
 # Bytes freed by an offload count as freed this many steps later when the allocator picks the bytes
@@ -93,6 +93,16 @@ class HorizonWalk:
                 offset = home.end
                 self.home_t[v] = self.cur[v] = home
                 self.home_src[v] = v
+        # a resident CPU-homed value (plan.resident) gets arena bytes of its own beside the GPU homes:
+        # fetched there once, at its first use, and never evicted (it would fragment the arena else)
+        self.slot: dict[int, Tenancy] = {}
+        for v in sorted(self.plan.resident):
+            if 0 <= v < len(values) and sched.cpu_home[v]:
+                slot = Tenancy(v)
+                slot.start, slot.end, slot.home = offset, offset + self.size[v], True
+                slot.place = Place("gpu", offset, self.size[v])
+                offset = slot.end
+                self.slot[v] = slot
         if capacity < offset:
             raise OutOfMemory("gpu", -1)
         # fresh bytes first (fewest dependencies), or, compact, reuse first (smallest arena)
@@ -181,6 +191,8 @@ class HorizonWalk:
         """Make every value the step reads resident and every output reserved."""
         if step[0] == TASK and step[1] in self.sched.host:
             return  # the host reads pinned CPU copies (_run_host_task makes the missing ones)
+        if step[0] == WB and self.cpu[step[2]] is not None and self.cpu[step[2]] is self.home_t.get(step[1]):
+            return  # updated on the host in its CPU home: nothing to write back
         if step[0] == TASK:
             reads, outs = self.sched.inputs[step[1]], self.sched.outputs[step[1]]
         else:
@@ -299,8 +311,10 @@ class HorizonWalk:
         t = self.cur[v]
         if t is not None:
             return t
-        t = Tenancy(v)
-        self._place(t, pinned)
+        t = self.slot.get(v)
+        if t is None:
+            t = Tenancy(v)
+            self._place(t, pinned)
         if self.tg.values[v].kind is ValueKind.BATCH and not self.entered[v]:
             self.entered[v] = True
             mid = self.mg.add_vertex(Kind.INPUT, Stream.H2D, value=v, writes={v: t.place})
@@ -314,7 +328,8 @@ class HorizonWalk:
             self.stats["reloads"] += 1
         self._wait(t.pending, mid)
         t.pending, t.writer, t.saved = [], mid, None  # written: no longer revocable
-        self.gpu.set_cost(t, self._next_use(v))
+        if not t.home:
+            self.gpu.set_cost(t, self._next_use(v))
         self.cur[v] = t
         return t
 

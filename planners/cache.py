@@ -187,6 +187,9 @@ def check_plan(plan: Any, tg: TaskGraph, gpu_budget: int, cpu_budget: int | None
     if not isinstance(plan.host_update, set):
         raise TypeError("has a malformed host_update field")
     ids(plan.host_update, n, "host-run updates")
+    if not isinstance(plan.resident, set):
+        raise TypeError("has a malformed resident field")
+    ids(plan.resident, m, "resident values")
 
 
 def _finite_or_none(x: Any) -> float | None:

@@ -11,20 +11,24 @@ module derives candidate plans from its plans and memgraph.compile's simulator, 
 host lane, picks among them:
 
 - ``"homed"``: the updates whose parameters and states the plan already homes on the CPU;
-- ``"all"``: every fused update, its parameters and states homed on the CPU.
+- a share of the parameters (HOST_SHARES): the updates that run first, their parameters and
+  states homed on the CPU (1.0: every fused update).
 
-``host_update_candidates(tg, plans, mode)``: mode "auto" adds both variants of each plan (where they
-differ from it), "all" replaces each plan by its "all" variant, "off" leaves the plans alone.
+``host_update_candidates(tg, plans, mode)``: mode "auto" adds every variant of each plan (where it
+differs from the plan), "all" replaces each plan by its share-1.0 variant, "off" leaves the plans
+alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from turnip.ir.optimizer import update_elements
 from turnip.ir.plan import CPU, Plan
 from turnip.ir.taskgraph import TaskGraph
 
 HOST_UPDATE_MODES = ("auto", "off", "all")
+HOST_SHARES = (0.25, 0.5, 0.75, 1.0)  # "auto": shares of the parameters updated on the host, each a candidate
 FUSED_UPDATES = frozenset({"aten::_fused_adamw_", "aten::_fused_adam_"})  # the CPU has both kernels
 
 
@@ -46,23 +50,40 @@ def fused_updates(tg: TaskGraph) -> dict[int, list[int]]:
     return out
 
 
-def with_host_updates(tg: TaskGraph, plan: Plan, scope: str) -> Plan | None:
-    """The plan with the updates of ``scope`` ("homed" or "all") run on the host; None when that
-    changes nothing."""
+def with_host_updates(tg: TaskGraph, plan: Plan, scope: str | float) -> Plan | None:
+    """The plan with some updates run on the host; None when that changes nothing.
+
+    scope "homed": the updates whose parameters and states the plan homes on the CPU already. A
+    fraction in (0, 1]: the updates that run first in the plan's order (the last blocks' updates,
+    whose gradients come first in the backward, so the host's work overlaps the rest of it) until
+    that share of the parameters is covered, their parameters and states homed on the CPU. A
+    parameter the plan kept in a GPU home becomes ``resident``: fetched once, at its first use,
+    and kept, as the plan counted it."""
     updates = fused_updates(tg)
     if scope == "homed":
         chosen = {vid for vid, targets in updates.items() if all(plan.home_of(v) == CPU for v in targets)}
-        home = plan.home
-    elif scope == "all":
-        chosen = set(updates)
-        home = {**plan.home, **{v: CPU for vid in chosen for v in updates[vid]}}
+    elif isinstance(scope, float) and 0 < scope <= 1:
+        position = {vid: k for k, vid in enumerate(plan.order)} if plan.order is not None else {}
+        ranked = sorted(updates, key=lambda vid: position.get(vid, vid))
+        sizes = {vid: update_elements(tg.vertices[vid]) for vid in ranked}
+        total, covered, chosen = sum(sizes.values()), 0, set()
+        for vid in ranked:
+            if covered >= scope * total:
+                break
+            chosen.add(vid)
+            covered += sizes[vid]
     else:
-        raise ValueError(f"scope must be 'homed' or 'all', not {scope!r}")
+        raise ValueError(f"scope must be 'homed' or a fraction in (0, 1], not {scope!r}")
     if not chosen or chosen <= plan.host_update:
         return None
-    stats = {**plan.stats, "host_update": scope, "host_updates": len(chosen | plan.host_update)}
-    return dataclasses.replace(plan, home=home, host_update=plan.host_update | chosen, stats=stats,
-                               planner=f"{plan.planner}+host-{scope}")
+    targets = [v for vid in chosen for v in updates[vid]]
+    params = {v for vid in chosen for v in updates[vid][0::3]}  # (param, exp_avg, exp_avg_sq) per parameter
+    resident = plan.resident | {v for v in params if plan.home_of(v) != CPU}
+    home = {**plan.home, **{v: CPU for v in targets}}
+    label = scope if scope == "homed" else f"{scope:g}"
+    stats = {**plan.stats, "host_update": label, "host_updates": len(chosen | plan.host_update)}
+    return dataclasses.replace(plan, home=home, host_update=plan.host_update | chosen, resident=resident,
+                               stats=stats, planner=f"{plan.planner}+host-{label}")
 
 
 def host_update_candidates(tg: TaskGraph, plans: list[Plan], mode: str) -> list[Plan]:
@@ -71,10 +92,10 @@ def host_update_candidates(tg: TaskGraph, plans: list[Plan], mode: str) -> list[
     if mode == "off":
         return plans
     if mode == "all":
-        return [with_host_updates(tg, plan, "all") or plan for plan in plans]
+        return [with_host_updates(tg, plan, 1.0) or plan for plan in plans]
     extra = []
     for plan in plans:
-        for scope in ("homed", "all"):
+        for scope in ("homed", *HOST_SHARES):
             variant = with_host_updates(tg, plan, scope)
             if variant is not None and all(variant.home != p.home or variant.host_update != p.host_update
                                            for p in extra):

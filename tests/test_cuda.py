@@ -238,3 +238,21 @@ def test_callback_completions_match_events_and_eager(transfer_ahead):
     assert_same_state(state, event_state, exact=False, rtol=1e-6, atol=1e-7)
     assert losses == pytest.approx([x.item() for x in want_losses], rel=1e-4)
     assert_same_state(state, want_state, exact=False, **CUDA_TOL)
+
+
+@pytest.mark.parametrize("completion", ["events", "callback"])
+@pytest.mark.parametrize("ordering", ["nondeterministic", "deterministic"])
+def test_updates_on_the_host_match_eager(completion, ordering):
+    """host_update="all": every fused AdamW update runs on the host's cores (CPU _fused_adamw_) on the
+    pinned homes of its parameter and states; within float tolerance of eager's CUDA fused AdamW."""
+    if completion == "callback":
+        pytest.importorskip("cupy", reason="completion='callback' needs CuPy")
+    model, loss_fn, batches = make_case("gpt", dropout=0.1, device="cuda")
+    want_losses, want_state = eager_steps(model, loss_fn, batches, adamw)
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(trainable(model)),
+                          budget=budget_bytes(model, loss_fn, batches[0], 0.5), device="cuda", host_update="all")
+    assert mg.plan.host_update and memgraph.verify(mg) == []
+    torch.manual_seed(123)
+    losses = [engine.run(mg, b, ordering=ordering, completion=completion)["loss"].item() for b in batches]
+    assert losses == pytest.approx([x.item() for x in want_losses], rel=1e-4)
+    assert_same_state(mg.state_dict(), want_state, exact=False, **CUDA_TOL)
