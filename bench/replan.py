@@ -93,7 +93,7 @@ def offline_costs(facts: dict) -> CostModel:
     return CostModel(device="cuda", spec=spec, measure=False)
 
 
-def replan(step: Path, budgets: list[str], options: dict, host_update: str = "auto") -> list[dict]:
+def replan(step: Path, budgets: list[str], options: dict, host_update: str = "off") -> list[dict]:
     """One row per candidate MemGraph per budget (see the module docstring)."""
     tg = load_step(step)
     facts = json.loads(step.with_suffix(".json").read_text())
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     pl.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE",
                     help="a planner option (value read as JSON), e.g. time_limit=10; repeatable")
     pl.add_argument("--out", default=None, help="folder for replan_<model>.json (default: the step's)")
-    pl.add_argument("--host-update", default="auto", choices=("auto", "off", "all"),
+    pl.add_argument("--host-update", default="off", choices=("auto", "off", "all"),
                     help="optimizer updates on the host's cores, as memgraph.compile's host_update")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",

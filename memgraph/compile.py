@@ -48,7 +48,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             planner: str = "auto", cpu_budget: int | str | None = None, alignment: int | None = None,
             fused_optimizer: bool | None = None, max_grad_norm: float | None = None, norm_type: float = 2.0,
             accumulation_steps: int = 1, verbose: bool = True, cache: bool | str | os.PathLike = True,
-            backward: bool = True, split: str | int = "auto", host_update: str = "auto",
+            backward: bool = True, split: str | int = "auto", host_update: str = "off",
             **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
 
@@ -109,12 +109,14 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     the traced step (structure, shapes, dtypes, op costs), the budgets in bytes, the device, the
     planner and its options; a second compile of the same step skips planning. A path: that
     folder. False: plan every time, store nothing.
-    host_update: which optimizer updates the host's cores run on the CPU homes of their parameters
-    and states, the gradient copied to pinned memory (ZeRO-Offload's CPU step, per fused Adam/AdamW
-    update: planners/host_update.py): "auto" (on CUDA with planner "auto": plans with and without,
-    the simulator picks), "off", or "all" (every fused update, its parameters and states homed on
-    the CPU). Needs the fused optimizer (the CUDA default); the CPU kernel is torch's, within
-    float tolerance of the CUDA one (not bitwise).
+    host_update: experimental. Which optimizer updates the host's cores run on the CPU homes of
+    their parameters and states, the gradient copied to pinned memory (ZeRO-Offload's CPU step, per
+    fused Adam/AdamW update: planners/host_update.py), when the budget is below the unplanned peak:
+    "off" (default), "auto" (on CUDA with planner "auto": plans with and without, the simulator
+    picks) or "all" (every fused update, its parameters and states homed on the CPU). Needs the
+    fused optimizer (the CUDA default). Off by default because it changes the numbers: torch's CPU
+    fused AdamW is not the CUDA kernel, and where sqrt(exp_avg_sq) is near eps the two differ by
+    up to about lr; and because on the H100 it is slower so far (README, "Updates on the host").
     planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
     the ILP solver may run; default None, scaled to the problem: planners/driver.py's
     ilp_time_limit, 0.5 ms per binary variable, 3 ms with op costs measured on the GPU, within

@@ -5,6 +5,7 @@ Skipped cleanly without CUDA (CI has none); run on the device with
 """
 
 
+import copy
 import dataclasses
 
 import pytest
@@ -244,11 +245,13 @@ def test_callback_completions_match_events_and_eager(transfer_ahead):
 @pytest.mark.parametrize("ordering", ["nondeterministic", "deterministic"])
 def test_updates_on_the_host_match_eager(completion, ordering):
     """host_update="all": every fused AdamW update runs on the host's cores (CPU _fused_adamw_) on the
-    pinned homes of its parameter and states; within float tolerance of eager's CUDA fused AdamW."""
+    pinned homes of its parameter and states; within float tolerance of eager stepping the same CPU
+    kernel (ZeRO-Offload's way). Against eager's CUDA fused AdamW it is not: where sqrt(v) is near
+    eps the two kernels' formulations part by up to about lr (bench/results/h100/cuda_tests_host.txt)."""
     if completion == "callback":
         pytest.importorskip("cupy", reason="completion='callback' needs CuPy")
     model, loss_fn, batches = make_case("gpt", dropout=0.1, device="cuda")
-    want_losses, want_state = eager_steps(model, loss_fn, batches, adamw)
+    want_losses, want_state = eager_steps_cpu_update(model, loss_fn, batches)
     mg = memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(trainable(model)),
                           budget=budget_bytes(model, loss_fn, batches[0], 0.5), device="cuda", host_update="all")
     assert mg.plan.host_update and memgraph.verify(mg) == []
@@ -256,3 +259,27 @@ def test_updates_on_the_host_match_eager(completion, ordering):
     losses = [engine.run(mg, b, ordering=ordering, completion=completion)["loss"].item() for b in batches]
     assert losses == pytest.approx([x.item() for x in want_losses], rel=1e-4)
     assert_same_state(mg.state_dict(), want_state, exact=False, **CUDA_TOL)
+
+
+def eager_steps_cpu_update(model, loss_fn, batches, seed: int = 123):
+    """Eager forward and backward on CUDA, the AdamW step by torch's CPU fused kernel on CPU copies
+    of the parameters (what a CPU-offloaded optimizer does); returns (losses, state_dict)."""
+    model = copy.deepcopy(model)
+    params = trainable(model)
+    masters = [p.detach().cpu().clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1, fused=True)
+    losses = []
+    torch.manual_seed(seed)
+    for batch in batches:
+        for p in params:
+            p.grad = None
+        loss = loss_fn(model, batch)
+        loss.backward()
+        for p, master in zip(params, masters):
+            master.grad = p.grad.detach().cpu()
+        opt.step()
+        with torch.no_grad():
+            for p, master in zip(params, masters):
+                p.copy_(master)
+        losses.append(loss.detach().clone())
+    return losses, model.state_dict()
