@@ -45,7 +45,7 @@ from turnip.engine.completions import (
 )
 from turnip.engine.cuda_graphs import SegmentGraphs
 from turnip.engine.errors import EngineError
-from turnip.engine.host_lane import HostDone, HostStream
+from turnip.engine.host_lane import HostDone, HostStream, host_threads
 from turnip.engine.host_memory import describe_host, host_memory
 from turnip.engine.loop import Launch
 from turnip.engine.resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD
@@ -171,7 +171,11 @@ class CudaRuntime(Runtime):
             return records
         t0 = self._origin
         out = []
+        keys = self.graph.keys
         for rec in records:
+            if keys[rec.key][0] is Stream.HOST:  # ran on the host: the loop's own times are the real ones
+                out.append(rec)
+                continue
             start, end = self._timers[rec.vertex]
             try:
                 begin_s, end_s = t0.elapsed_time(start) / 1e3, t0.elapsed_time(end) / 1e3
@@ -200,7 +204,7 @@ class CudaRuntime(Runtime):
         if lane is None:
             stream_class, dev = self.graph.keys[item.key]
             compute = stream_class is Stream.COMPUTE
-            stream = (HostStream(f"turnip-host-{item.instance}") if stream_class is Stream.HOST
+            stream = (HostStream(f"turnip-host-{item.instance}", host_threads()) if stream_class is Stream.HOST
                       else torch.cuda.Stream(device=torch.device("cuda", dev)))
             lane = Lane(stream, compute, self._depth(compute))
             self.lanes[(item.key, item.instance)] = lane

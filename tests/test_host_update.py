@@ -108,3 +108,19 @@ def test_a_host_update_that_is_not_homed_on_the_cpu_is_refused(gpt):
     some = next(iter(fused_updates(tg)))
     with pytest.raises(ValueError, match="homed on the CPU"):
         build(tg, Plan(gpu_budget=1 << 40, planner="none", host_update={some}), alignment=64)
+
+
+def test_the_host_lane_runs_its_kernels_on_fewer_threads_than_the_loop():
+    """The CUDA backend's host lane leaves a core to the loop thread, which polls events; torch's
+    thread count elsewhere stays as it was."""
+    from turnip.engine.host_lane import HostStream, host_threads
+
+    before = torch.get_num_threads()
+    lane = HostStream("test-host", threads=1)
+    seen = []
+    lane.submit(lambda: seen.append(torch.get_num_threads()))
+    lane.synchronize()
+    lane.close()
+    assert seen == [1]
+    assert torch.get_num_threads() == before
+    assert host_threads() == max(1, before - 1)
