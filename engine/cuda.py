@@ -45,7 +45,8 @@ from turnip.engine.completions import (
 )
 from turnip.engine.cuda_graphs import SegmentGraphs
 from turnip.engine.errors import EngineError
-from turnip.engine.host_lane import HostDone, HostStream, host_threads
+from turnip.engine.host_lane import HostDone, HostStream
+from turnip.kernels.threads import host_threads
 from turnip.engine.host_memory import describe_host, host_memory
 from turnip.engine.loop import Launch
 from turnip.engine.resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD

@@ -18,15 +18,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-import torch
-
-
-def host_threads() -> int:
-    """Intra-op threads for the host lane's kernels: one fewer than torch uses, since the loop thread
-    keeps a core busy polling; a kernel split over every core waits for the chunk that shares it
-    (bench/results/h100: gpt350m at 25% with every update on the host, 477 ms on 16 threads, 295 ms
-    on 14)."""
-    return max(1, torch.get_num_threads() - 1)
+from turnip.kernels.threads import limit_openmp_threads
 
 
 class HostDone:
@@ -71,8 +63,7 @@ class HostStream:
 
     def _work(self) -> None:
         if self._threads is not None:
-            # per calling thread under torch's OpenMP backend: the loop thread's setting stays as it is
-            torch.set_num_threads(self._threads)
+            limit_openmp_threads(self._threads)
         while True:
             job = self._jobs.get()
             if job is None:

@@ -83,7 +83,7 @@ log = logging.getLogger(__name__)
 # Same figures as planners.costs.H100 (kept here so the simulator needs no planner module).
 DEFAULT_BANDWIDTH = 50e9  # pinned host <-> device bytes/s, each direction
 DEFAULT_HBM = 3e12  # device memory bytes/s, for COPY vertices
-DEFAULT_HOST_UPDATE_RATE = 4.9e9  # parameters/s of a CPU AdamW step (planners.costs.DeviceSpec's figure)
+DEFAULT_HOST_UPDATE_RATE = 2.4e9  # parameters/s of a CPU AdamW step inside a step (planners.costs.DeviceSpec's)
 
 
 class Span(NamedTuple):

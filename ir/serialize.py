@@ -2,7 +2,7 @@
 
 A ``.mg`` file is a zip archive of exactly two members:
 
-- ``graph.json``: ``{"format": "turnip.memgraph", "version": 4, "memgraph": ...}``,
+- ``graph.json``: ``{"format": "turnip.memgraph", "version": 5, "memgraph": ...}``,
   the MemGraph (with its TaskGraph, Plan and OptimizerSpec) as tagged JSON;
 - ``state.safetensors``: every tensor the graph holds (initial states), named
   by number; ``graph.json`` refers to them as ``{"t": "tensor", "v": "<name>"}``.
@@ -10,8 +10,8 @@ A ``.mg`` file is a zip archive of exactly two members:
 Loading parses JSON and safetensors and builds only the types named in
 `Codec`'s registry (the contract dataclasses and enums) and a fixed list of
 torch constants, so a file runs no code of its author: no pickle anywhere.
-A file of another version than `VERSION` (4) is refused, naming its version;
-version 1 files were pickles, refused without being opened as one.
+A file of another version than `VERSION` (5) or 4 (read as 5 without host updates) is refused,
+naming its version; version 1 files were pickles, refused without being opened as one.
 
 Tagged JSON: JSON scalars (str, int, bool, null, finite float) and arrays
 (Python lists) stand for themselves; everything else is an object

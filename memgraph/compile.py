@@ -166,8 +166,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
 
             def key_for(cpu_bytes: int | None) -> str:
                 return plan_key(tg, gpu_budget, cpu_bytes, device=str(device), planner=planner,
-                                options={**planner_options, "host_update": host_update}, alignment=alignment,
-                                costs=costs)
+                                options={**planner_options, **host_update_facts(host_update, costs)},
+                                alignment=alignment, costs=costs)
 
             candidates, key, hit = None, None, None
             if gpu_budget < peak and planner != "none" and store is not None:
@@ -305,6 +305,14 @@ def report_printed(verbose: bool) -> bool:
     does not already show this module's INFO messages (callers that print it themselves, like
     the demo, ask here to print it once)."""
     return verbose and stderr_is_terminal() and not log.isEnabledFor(logging.INFO)
+
+
+def host_update_facts(host_update: str, costs) -> dict:
+    """What of host_update the plan cache keys on: the mode, and where the simulator may pick host
+    updates, the host's rate it prices them at."""
+    if host_update == "off" or costs is None:
+        return {"host_update": host_update}
+    return {"host_update": host_update, "host_update_rate": float(costs.host_update_rate)}
 
 
 def _planning_detail(planner: str, options: dict) -> str:

@@ -58,10 +58,11 @@ class DeviceSpec:
     # alone never show. Measured on an H100 (bench/engine_overhead.py): about 15 us per vertex,
     # against about 6 us for an eager PyTorch launch of the same kernel.
     host_per_vertex: float = 15e-6
-    # Parameters per second a CPU optimizer step (torch's CPU _fused_adamw_, every core) updates:
-    # the rate of the host lane that runs plan.host_update. 4.9e9 measured on the H100 machine's
-    # 16 cores; a CUDA cost model that measures replaces it with this host's own figure.
-    host_update_rate: float = 4.9e9
+    # Parameters per second a CPU optimizer step (torch's CPU _fused_adamw_) updates inside a step:
+    # the rate of the host lane that runs plan.host_update. The H100 machine's 16 cores did 4.44e9
+    # alone and about 2.4e9 inside a step, beside the copies; a CUDA cost model that measures
+    # replaces it with this host's own figure (planners/measure.py measure_host_update).
+    host_update_rate: float = 2.4e9
 
     def rate(self, dtype: Any) -> float:
         return self.flops.get(dtype_name(dtype), self.default_flops)
@@ -333,15 +334,16 @@ class CostModel:
 
     @property
     def host_update_rate(self) -> float:
-        """Parameters per second the host's cores update in a CPU optimizer step (measured on CUDA
-        cost models that measure, cached with the link bandwidths; else the spec's figure)."""
+        """Parameters per second the host's cores update in a CPU optimizer step while the step's
+        copies run (measured on CUDA cost models that measure, cached with the link bandwidths;
+        else the spec's figure)."""
         if not self.measure or not self.device.startswith("cuda"):
             return self.spec.host_update_rate
         cache = self.cache
-        if "host_update" not in cache.bandwidth:
-            cache.bandwidth["host_update"] = measure.measure_host_update()
+        if "host_update_beside_copies" not in cache.bandwidth:
+            cache.bandwidth["host_update_beside_copies"] = measure.measure_host_update(self.device)
             cache.save()
-        return cache.bandwidth["host_update"]
+        return cache.bandwidth["host_update_beside_copies"]
 
     def transfer_time(self, nbytes: int, direction: str) -> float:
         return nbytes / (self.h2d_bandwidth if direction == "h2d" else self.d2h_bandwidth)

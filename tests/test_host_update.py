@@ -8,9 +8,11 @@ import torch
 from cases import assert_same_state, eager_steps, make_case, trainable
 
 from turnip import engine, memgraph
+from turnip.engine.host_lane import HostStream
 from turnip.engine.timing_sim import simulate
 from turnip.ir.memgraph import Kind, Stream
 from turnip.ir.plan import CPU, Plan
+from turnip.kernels.threads import host_threads
 from turnip.memgraph.build import build
 from turnip.memgraph.verify import verify
 from turnip.planners.host_update import fused_updates, host_update_candidates, with_host_updates
@@ -113,7 +115,6 @@ def test_a_host_update_that_is_not_homed_on_the_cpu_is_refused(gpt):
 def test_the_host_lane_runs_its_kernels_on_fewer_threads_than_the_loop():
     """The CUDA backend's host lane leaves a core to the loop thread, which polls events; torch's
     thread count elsewhere stays as it was."""
-    from turnip.engine.host_lane import HostStream, host_threads
 
     before = torch.get_num_threads()
     lane = HostStream("test-host", threads=1)
