@@ -19,14 +19,31 @@ def host_threads() -> int:
 
 
 def limit_openmp_threads(threads: int) -> None:
-    """OpenMP's thread count for parallel regions the calling thread starts (an OpenMP setting of that
-    thread alone), through the OpenMP runtime torch is linked with. Not torch.set_num_threads: that
-    also sets MKL's count for the whole process, and a CPU matmul elsewhere would then sum in
-    another order. A torch without OpenMP keeps its own count."""
+    """The intra-op thread count of the calling thread's kernels, through OpenMP's own setting (one
+    per thread), in the OpenMP runtime torch uses: the first ``omp_set_num_threads`` among torch's
+    library and the libgomp copies mapped into the process after which torch reads the new count.
+    Not torch.set_num_threads, which also sets MKL's count for the whole process (a CPU matmul
+    elsewhere would then sum in another order); that only where no OpenMP setter takes, logged."""
+    for path in _openmp_candidates():
+        try:
+            setter = ctypes.CDLL(path).omp_set_num_threads
+        except (OSError, AttributeError):
+            continue
+        setter(int(threads))
+        if torch.get_num_threads() == threads:
+            return
+    log.info("no OpenMP setter of this thread reaches torch's kernels: torch.set_num_threads(%d), which also "
+             "sets MKL's thread count for the process", threads)
+    torch.set_num_threads(threads)
+
+
+def _openmp_candidates() -> list[str]:
+    """torch's extension (its dependencies resolve the symbol), then every libgomp mapped here
+    (a wheel bundles its own copy under a hashed name; another library may have loaded the system's)."""
+    paths = [torch._C.__file__]
     try:
-        setter = ctypes.CDLL(torch._C.__file__).omp_set_num_threads
-    except (OSError, AttributeError):
-        log.info("torch's intra-op threads are not OpenMP's here: the host lane uses %d threads",
-                 torch.get_num_threads())
-        return
-    setter(int(threads))
+        with open("/proc/self/maps") as maps:
+            mapped = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    except OSError:
+        mapped = set()
+    return paths + sorted(mapped, key=lambda p: "torch" not in p)
