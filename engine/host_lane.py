@@ -18,7 +18,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from turnip.kernels.threads import limit_openmp_threads
+from turnip.kernels.threads import set_kernel_threads
 
 
 class HostDone:
@@ -63,7 +63,7 @@ class HostStream:
 
     def _work(self) -> None:
         if self._threads is not None:
-            limit_openmp_threads(self._threads)
+            set_kernel_threads(self._threads)
         while True:
             job = self._jobs.get()
             if job is None:

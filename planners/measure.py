@@ -17,7 +17,7 @@ import torch
 from turnip.ir.taskgraph import TaskGraph, TensorRef, Vertex
 from turnip.kernels.capture import captured
 from turnip.kernels.launch import PreparedVertex
-from turnip.kernels.threads import host_threads, limit_openmp_threads
+from turnip.kernels.threads import host_threads, set_kernel_threads
 from turnip.kernels.views import ref_view
 
 log = logging.getLogger(__name__)
@@ -223,16 +223,18 @@ def measure_host_update(device: str | None = None, elements: int = 1 << 26, runs
     samples: list[float] = []
 
     def measure() -> None:  # on a thread of its own, like the host lane, whose thread count it takes
-        limit_openmp_threads(threads)
+        set_kernel_threads(threads)
         update()
         if device is None or not str(device).startswith("cuda"):
             samples.extend(update() for _ in range(runs))
         else:
             samples.extend(_beside_copies(torch.device(device), update, runs))
 
+    before = torch.get_num_threads()
     worker = threading.Thread(target=measure, name="turnip-measure-host")
     worker.start()
     worker.join()
+    torch.set_num_threads(before)  # MKL's count is the process's: put it back
     rate = elements / statistics.median(samples)
     log.info("CPU AdamW step: %.2f G parameters/s on %d threads%s", rate / 1e9, threads,
              " beside pinned copies both ways" if device is not None and str(device).startswith("cuda") else "")
