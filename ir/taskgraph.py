@@ -210,6 +210,14 @@ class TaskGraph:
     def inputs_of_kind(self, *kinds: ValueKind) -> list[int]:
         return [v.id for v in self.values if v.kind in kinds]
 
+    def unused_persistent(self) -> set[int]:
+        """Persistent values the step neither reads, updates nor returns (a frozen weight kept in a
+        narrower dtype instead, memgraph/half_width.py): they need no place, their state is their
+        initial state."""
+        used = {x for vertex in self.vertices for x in vertex.inputs()}
+        used |= set(self.bindings) | set(self.outputs.values())
+        return {v.id for v in self.values if v.kind.is_persistent and v.id not in used}
+
     def consumers(self) -> list[list[int]]:
         """consumers()[value] = vertex ids reading it, in program order."""
         users: list[list[int]] = [[] for _ in self.values]

@@ -40,8 +40,11 @@ class Schedule:
         for vid, home in plan.home.items():
             if home not in (GPU, CPU):
                 raise ValueError(f"plan.home[{vid}] is {home!r}, expected 'gpu' or 'cpu'")
-        self.gpu_home = [v.kind.is_persistent and plan.home_of(v.id) == GPU for v in values]
-        self.cpu_home = [v.kind.is_persistent and plan.home_of(v.id) == CPU for v in values]
+        # a persistent value nothing reads or updates (a frozen weight kept half-width instead,
+        # memgraph/half_width.py) needs no place: its state is its initial state
+        unplaced = tg.unused_persistent()
+        self.gpu_home = [v.kind.is_persistent and v.id not in unplaced and plan.home_of(v.id) == GPU for v in values]
+        self.cpu_home = [v.kind.is_persistent and v.id not in unplaced and plan.home_of(v.id) == CPU for v in values]
 
         # -- place OUT and WB steps between the task steps --------------------------------
         pos = {vid: k for k, vid in enumerate(order)}

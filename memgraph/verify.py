@@ -280,8 +280,9 @@ class _Verifier:
                 self.report("a", f"step output {name!r} (value {v}) has no OUTPUT vertex")
             for m in found:
                 self._trace(m, v, f"step output {name!r}")
+        unused = tg.unused_persistent()  # nothing reads them: their state is their initial state
         for v in tg.values:
-            if v.kind.is_persistent and v.id not in mg.homes:
+            if v.kind.is_persistent and v.id not in mg.homes and v.id not in unused:
                 self.report("a", f"persistent value {v.id} ({v.name}) has no home")
 
     # -- (b) -------------------------------------------------------------------------------

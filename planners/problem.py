@@ -226,8 +226,11 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
             batch_last[u] = max(batch_last.get(u, -1), top)
     base_h2d = np.zeros(len(win_start), dtype=np.float64)
     homed = []
+    unplaced = tg.unused_persistent()  # nothing reads them: no place to decide (memgraph/schedule.py)
     for val in tg.values:
         vid = val.id
+        if vid in unplaced:
+            continue
         if val.kind in _HOMED:
             homed.append(vid)
         elif val.kind is ValueKind.CONSTANT:
