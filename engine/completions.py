@@ -96,6 +96,7 @@ class Lane:
         self.compute = compute
         self.host = getattr(stream, "host", False)  # engine/host_lane.py: reported only when run
         self.errors: dict[int, BaseException] = {}  # host units that raised, by unit
+        self.started: dict[int, float] = {}  # host units: when the worker began them (perf_counter)
         self.depth = 0 if self.host else depth  # units reported to the loop at enqueue while unfinished
         self.in_flight: collections.deque = collections.deque()
         # enqueued, not yet told to the loop: at most one, since the loop gives a stream instance its
@@ -109,6 +110,7 @@ class Lane:
         self.unreported.clear()
         self.reported_in_flight = 0
         self.errors.clear()
+        self.started.clear()
         self.depth = 0 if self.host else depth
 
 
@@ -169,8 +171,8 @@ class LaneCompletions:
         else:  # unreported units are in launch order too: this one is the first of them
             lane.unreported.popleft()
             self.reported[unit] = 1
-            error = lane.errors.pop(unit, None) if lane.host else None
-            self.ready.append(Completion(unit, error, 0.0, time.perf_counter()))
+            error, start = (lane.errors.pop(unit, None), lane.started.pop(unit, 0.0)) if lane.host else (None, 0.0)
+            self.ready.append(Completion(unit, error, start, time.perf_counter()))
         while (lane.unreported and lane.reported_in_flight < lane.depth
                and (self.shared_workspace or not self.needs[lane.unreported[0]])):
             self._report_early(lane, lane.unreported.popleft())

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import torch
 from turnip.engine.completions import (
@@ -251,6 +252,7 @@ class CudaRuntime(Runtime):
         head, mg = self.graph.head[unit], self.mg
 
         def job() -> None:
+            lane.started[unit] = time.perf_counter()  # the loop's record of the unit: its real span
             try:
                 for event in waits:
                     event.synchronize()
