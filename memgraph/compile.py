@@ -119,7 +119,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     up to about lr; and because on the H100 it is slower so far (README, "Updates on the host").
     planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
     the ILP solver may run; default None, scaled to the problem: planners/driver.py's
-    ilp_time_limit, 0.5 ms per binary variable, 3 ms with op costs measured on the GPU, within
+    ilp_time_limit, 0.5 ms per binary variable, 10 ms with op costs measured on the GPU, within
     1-60 s; the ILP starts from the greedy plan and returns it when it finds nothing better in
     time), headroom, windows, gap, depth, reload_room (experimental, default False: count a planned
     reload's bytes from its prefetch window, not from its use),
