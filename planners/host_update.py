@@ -17,6 +17,11 @@ host lane, picks among them:
 ``host_update_candidates(tg, plans, mode)``: mode "auto" adds every variant of each plan (where it
 differs from the plan), "all" replaces each plan by its share-1.0 variant, "off" leaves the plans
 alone.
+
+Measured on the H100 machine it loses to streaming the states (README, "updates on the host"): the
+CPU step shares the host's memory bandwidth with the link's copies, and the simulator, which does
+not model that sharing beyond the rate measured beside copies, is 28-63% optimistic about it.
+memgraph.compile therefore defaults to "off".
 """
 
 from __future__ import annotations
