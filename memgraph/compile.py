@@ -27,7 +27,7 @@ from turnip.planners.cache import CachedPlan, PlanCache, plan_key
 from turnip.planners.costs import default_costs
 from turnip.planners.driver import check_options, plan_candidates, run_plan, step_floor
 from turnip.planners.host_update import check_mode as check_host_update
-from turnip.planners.host_update import host_update_candidates
+from turnip.planners.host_update import fused_updates, host_update_candidates
 from turnip.planners.measure import device_name
 
 UNBOUNDED = 1 << 62  # a budget nothing ever exceeds
@@ -146,6 +146,10 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             traced = None
             if split == "auto":  # kept as traced: its loss head is split if the budget needs it
                 traced, tg = tg, donated(tg)
+            if host_update != "off" and not fused_updates(tg):
+                raise ValueError(f"host_update={host_update!r} runs fused Adam/AdamW updates on the host, and this "
+                                 f"step has none ({_optimizer_name(optimizer)}): compile with "
+                                 f"fused_optimizer=True and Adam or AdamW, or host_update='off'")
         costs = planner_options.pop("costs", None)
         if planner != "none":  # op times and workspace first: the unplanned peak includes workspace
             with progress.phase("measuring op costs"):
@@ -198,6 +202,9 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             if mg is not None:
                 mg.stats["plan_cache"] = "hit"
             elif candidates is None:  # everything fits: nothing to plan
+                if host_update != "off":
+                    log.info("the step fits its budget: every update stays on the GPU (host_update=%r applies "
+                             "below the unplanned peak)", host_update)
                 mg = keep_everything(tg, keep_all, gpu_budget, cpu_bytes, alignment)
             else:
                 mg = build_and_store(candidates, cpu_bytes, key)
@@ -305,6 +312,13 @@ def report_printed(verbose: bool) -> bool:
     does not already show this module's INFO messages (callers that print it themselves, like
     the demo, ask here to print it once)."""
     return verbose and stderr_is_terminal() and not log.isEnabledFor(logging.INFO)
+
+
+def _optimizer_name(optimizer) -> str:
+    if optimizer is None:
+        return "no optimizer"
+    fused = optimizer.defaults.get("fused") if hasattr(optimizer, "defaults") else None
+    return f"{type(optimizer).__name__}, fused={fused}"
 
 
 def host_update_facts(host_update: str, costs) -> dict:

@@ -126,3 +126,15 @@ def test_the_host_lane_runs_its_kernels_on_fewer_threads_than_the_loop():
     assert torch.get_num_threads() == before
     torch.set_num_threads(before)  # MKL's count is the process's (kernels/threads.py): later tests sum as eager
     assert host_threads() == max(1, before - 1)
+
+
+def test_host_updates_without_fused_updates_are_refused_before_planning():
+    """The CPU default is eager's single-tensor AdamW, which has no fused update to move."""
+    model, loss_fn, batches = make_case("mlp")
+    opt = torch.optim.AdamW(trainable(model), lr=1e-3)
+    with pytest.raises(ValueError, match="fused_optimizer=True"):
+        memgraph.compile(model, loss_fn, batches[0], optimizer=opt, budget=0.5, device="cpu", host_update="all",
+                         cache=False, verbose=False)
+    with pytest.raises(ValueError, match="host_update must be one of"):
+        memgraph.compile(model, loss_fn, batches[0], optimizer=opt, budget=0.5, device="cpu", host_update="yes",
+                         cache=False, verbose=False)
