@@ -138,3 +138,39 @@ def test_host_updates_without_fused_updates_are_refused_before_planning():
     with pytest.raises(ValueError, match="host_update must be one of"):
         memgraph.compile(model, loss_fn, batches[0], optimizer=opt, budget=0.5, device="cpu", host_update="yes",
                          cache=False, verbose=False)
+
+
+def test_the_host_lane_reports_each_unit_once_it_ran_with_its_error_and_start():
+    """The books the CUDA backend keeps for its host lane (engine/completions.py), without a GPU: a
+    host unit is reported only after it ran (no launch-ahead), in order, a failure as that unit's
+    error, with the time the worker began it."""
+    import time
+
+    from turnip.engine.completions import EventCompletions, Lane
+    from turnip.engine.host_lane import HostDone
+
+    events = [HostDone(), HostDone()]
+    stream = HostStream("test-host")
+    lane = Lane(stream, compute=False, depth=4)
+    assert lane.host and lane.depth == 0
+    source = EventCompletions([(), ()], {(0, 0): lane}, events)
+    source.begin_step(True)
+    release = HostDone()
+    for unit, error in ((0, RuntimeError("update failed")), (1, None)):
+        source.enqueued(lane, unit)
+
+        def job(unit=unit, error=error):
+            release.synchronize()
+            lane.started[unit] = time.perf_counter()
+            if error is not None:
+                lane.errors[unit] = error
+            events[unit].set()
+
+        stream.submit(job)
+    assert not source.poll() and not source.ready  # nothing has run: nothing is reported
+    release.set()
+    first, second = source.get(), source.get()
+    stream.close()
+    assert (first.vertex, second.vertex) == (0, 1)
+    assert isinstance(first.error, RuntimeError) and second.error is None
+    assert 0 < first.start <= first.end and 0 < second.start <= second.end
