@@ -47,7 +47,6 @@ from turnip.engine.completions import (
 from turnip.engine.cuda_graphs import SegmentGraphs
 from turnip.engine.errors import EngineError
 from turnip.engine.host_lane import HostDone, HostStream
-from turnip.kernels.threads import host_threads
 from turnip.engine.host_memory import describe_host, host_memory
 from turnip.engine.loop import Launch
 from turnip.engine.resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD
@@ -56,6 +55,7 @@ from turnip.ir.budget import format_bytes
 from turnip.ir.memgraph import MemGraph, Stream
 from turnip.kernels.launch import PreparedVertex
 from turnip.kernels.step import RngReplay, StepContext
+from turnip.kernels.threads import host_threads
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ over the user's optimizer, ``memgraph.load`` over the saved hyperparameters.
 
 from __future__ import annotations
 
+import math
 import numbers
 import weakref
 from collections import OrderedDict
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from turnip.ir.taskgraph import TensorRef
 
 # hyperparameters a step reads as host scalars, so an LR scheduler (or a user) may change them between
 # steps; a change that alters the traced update itself (a zero becoming non-zero) needs a new compile
@@ -106,15 +108,7 @@ def update_elements(vertex) -> int:
     lists (a fused multi-tensor update's parameters; a single tensor's own)."""
     first = vertex.args[0] if vertex.args else ()
     params = first if isinstance(first, (list, tuple)) else (first,)
-    total = 0
-    for ref in params:
-        size = getattr(ref, "size", None)
-        if size is not None:
-            n = 1
-            for d in size:
-                n *= int(d)
-            total += n
-    return total
+    return sum(math.prod(ref.size) for ref in params if isinstance(ref, TensorRef))
 
 
 def state_value_name(param: str, key: str) -> str:

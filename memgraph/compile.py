@@ -317,8 +317,7 @@ def report_printed(verbose: bool) -> bool:
 def _optimizer_name(optimizer) -> str:
     if optimizer is None:
         return "no optimizer"
-    fused = optimizer.defaults.get("fused") if hasattr(optimizer, "defaults") else None
-    return f"{type(optimizer).__name__}, fused={fused}"
+    return f"{type(optimizer).__name__}, fused={optimizer.defaults.get('fused')}"
 
 
 def host_update_facts(host_update: str, costs) -> dict:

@@ -40,8 +40,8 @@ def halve_frozen_casts(tg: TaskGraph) -> int:
         dtype = _only_cast_dtype(tg, val, readers.get(val.id, []))
         if dtype is None:
             continue
-        narrow = torch.empty((), dtype=dtype).element_size()
-        new = tg.add_value(val.shape, val.stride, dtype, val.nbytes * narrow // val.dtype.itemsize, ValueKind.FROZEN,
+        new = tg.add_value(val.shape, val.stride, dtype, val.nbytes * dtype.itemsize // val.dtype.itemsize,
+                           ValueKind.FROZEN,
                            name=f"{val.name}:{str(dtype).removeprefix('torch.')}")
         tg.initial_state[new] = tg.initial_state[val.id].detach().to(dtype)
 
@@ -68,7 +68,9 @@ def _only_cast_dtype(tg: TaskGraph, val, readers: list) -> torch.dtype | None:
         if device is not None and torch.device(device).type != torch.device(tg.device).type:
             return None
         dtypes.add(vertex.kwargs.get("dtype"))
-    (dtype,) = dtypes if len(dtypes) == 1 else (None,)
+    if len(dtypes) != 1:
+        return None
+    (dtype,) = dtypes
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize >= val.dtype.itemsize:
         return None
     return dtype

@@ -191,7 +191,7 @@ class HorizonWalk:
         """Make every value the step reads resident and every output reserved."""
         if step[0] == TASK and step[1] in self.sched.host:
             return  # the host reads pinned CPU copies (_run_host_task makes the missing ones)
-        if step[0] == WB and self.cpu[step[2]] is not None and self.cpu[step[2]] is self.home_t.get(step[1]):
+        if step[0] == WB and self._in_cpu_home(step[1], step[2]):
             return  # updated on the host in its CPU home: nothing to write back
         if step[0] == TASK:
             reads, outs = self.sched.inputs[step[1]], self.sched.outputs[step[1]]
@@ -393,16 +393,18 @@ class HorizonWalk:
             t_old = self.cpu[old]
             self._wait([r for r in t_old.readers if r != mid], mid)
             t_new = Tenancy(new)
-            t_new.writer, t_new.home = mid, t_old.home
+            t_new.writer, t_new.home = mid, True
             self.cpu_alloc.replace(t_old, t_new)
-            if t_old.home:
-                src = old if self.home_t.get(old) is t_old else next(v for v, t in self.home_t.items() if t is t_old)
-                self.home_t[src] = t_new
+            self.home_t[old] = t_new  # old is the persistent value itself, in its CPU home (Schedule checked)
             self.cpu[old] = None
             self.cpu[new] = t_new
         self.stats["host_updates"] += 1
         for x in ins:
             self._used(x)
+
+    def _in_cpu_home(self, src: int, dst: int) -> bool:
+        """The update dst of persistent value src was made on the host, in src's CPU home."""
+        return self.cpu[dst] is not None and self.cpu[dst] is self.home_t[src]
 
     def _take_over(self, old: int, new: int, mid: int) -> None:
         """The in-place vertex mid writes new into old's bytes, after every other reader of old."""
@@ -432,7 +434,7 @@ class HorizonWalk:
         """Put the updated value dst where src lives between steps, once src's readers are done."""
         t = self.cur[dst]
         home = self.home_t[src]
-        if t is home or self.cpu[dst] is home:  # updated in place in its home: already where it belongs
+        if t is home or self._in_cpu_home(src, dst):  # updated in place in its home: already where it belongs
             self._used(dst)
             return
         if self.sched.gpu_home[src]:

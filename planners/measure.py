@@ -205,7 +205,7 @@ def measure_bandwidth(device: str, nbytes: int = 64 << 20, runs: int = 5) -> dic
 
 def measure_host_update(device: str | None = None, elements: int = 1 << 26, runs: int = 3) -> float:
     """Parameters per second of a CPU AdamW step (torch's CPU _fused_adamw_) as the engine's host lane
-    runs it (plan.host_update): on one intra-op thread fewer than torch's (engine/host_lane.py) and,
+    runs it (plan.host_update): on one intra-op thread fewer than torch's (kernels/threads.py) and,
     given a CUDA ``device``, while pinned copies run both ways, since the step's transfers share the
     host's memory bandwidth with the update (on the H100 machine the rate alone measured 4.44 G/s,
     and updates inside a step ran at about 2.4). Median of ``runs``, after one untimed step that
@@ -220,15 +220,14 @@ def measure_host_update(device: str | None = None, elements: int = 1 << 26, runs
         return time.perf_counter() - started
 
     threads = host_threads()
+    beside = device is not None and str(device).startswith("cuda")
     samples: list[float] = []
 
     def measure() -> None:  # on a thread of its own, like the host lane, whose thread count it takes
         set_kernel_threads(threads)
         update()
-        if device is None or not str(device).startswith("cuda"):
-            samples.extend(update() for _ in range(runs))
-        else:
-            samples.extend(_beside_copies(torch.device(device), update, runs))
+        samples.extend(_beside_copies(torch.device(device), update, runs) if beside else
+                       (update() for _ in range(runs)))
 
     before = torch.get_num_threads()
     worker = threading.Thread(target=measure, name="turnip-measure-host")
@@ -237,7 +236,7 @@ def measure_host_update(device: str | None = None, elements: int = 1 << 26, runs
     torch.set_num_threads(before)  # MKL's count is the process's: put it back
     rate = elements / statistics.median(samples)
     log.info("CPU AdamW step: %.2f G parameters/s on %d threads%s", rate / 1e9, threads,
-             " beside pinned copies both ways" if device is not None and str(device).startswith("cuda") else "")
+             " beside pinned copies both ways" if beside else "")
     return rate
 
 
