@@ -54,3 +54,13 @@ def test_refused_when_planning_again_cannot_help():
     assert info.value.resource == "cpu" and info.value.minimum == 30 * GIB
     with pytest.raises(InfeasibleBudget, match="larger GPU budget"):
         within_host(30 * GIB, 20 * GIB, None, replannable=False)  # nothing was planned
+
+
+def test_huge_page_buffer_is_aligned_writable_and_exactly_sized():
+    from turnip.engine.cuda import HUGE_PAGE, _huge_page_buffer
+
+    buf = _huge_page_buffer(3 * HUGE_PAGE + 123)
+    assert buf.numel() == 3 * HUGE_PAGE + 123 and buf.dtype is torch.uint8
+    assert buf.data_ptr() % HUGE_PAGE == 0
+    buf.fill_(7)
+    assert int(buf[-1]) == 7 and int(buf.sum()) == 7 * buf.numel()

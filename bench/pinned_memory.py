@@ -1,0 +1,116 @@
+"""Link bandwidth by kind of pinned host memory, with copies spread over a large buffer as a step's are.
+
+    python -m turnip.bench.pinned_memory [--gib 8] [--chunk-mib 64] [--copies 48]
+
+A training step's reloads read 16-128 MB pieces from all over many GB of pinned storage, while
+planners/measure.py times one 64 MB buffer copied again and again. Each row here copies `copies`
+chunks at random chunk-aligned offsets of a `gib` GiB buffer (or the same chunk every time, for
+comparison), host to device, device to host, both at once on two streams, and host to device
+beside a stream of bf16 matmuls. The buffers:
+
+- ``register``: ``torch.empty`` pinned with cudaHostRegister (what engine/cuda.py's pinned_bytes
+  did before this bench; base pages of 4 KiB);
+- ``register-hugepage``: an anonymous mapping advised MADV_HUGEPAGE (transparent huge pages of
+  2 MiB) and pinned with cudaHostRegister;
+- ``hostalloc``: torch's pinned allocator (cudaHostAlloc; it rounds a request up to a power of two).
+
+Needs a CUDA device. Writes bench/results/pinned_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+from pathlib import Path
+
+import torch
+from turnip.bench.results import result_path, run_metadata
+from turnip.engine.cuda import pinned_bytes, unpin
+
+log = logging.getLogger(__name__)
+
+KINDS = ("register", "register-hugepage", "hostalloc")
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def host_buffer(kind: str, nbytes: int) -> tuple[torch.Tensor, bool]:
+    """(pinned buffer of nbytes, whether to unpin it with cudaHostUnregister when done)."""
+    if kind == "hostalloc":
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False
+    return pinned_bytes(nbytes, huge_pages=kind == "register-hugepage"), True
+
+
+def time_copies(pairs_by_stream: list[list[tuple[torch.Tensor, torch.Tensor]]], matmuls: int = 0) -> list[float]:
+    """Seconds each stream took for its copies, all streams started together."""
+    streams = [torch.cuda.Stream() for _ in pairs_by_stream]
+    start = torch.cuda.Event(enable_timing=True)
+    ends = [torch.cuda.Event(enable_timing=True) for _ in streams]
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) if matmuls else None
+    torch.cuda.synchronize()
+    start.record()
+    for stream, pairs, end in zip(streams, pairs_by_stream, ends, strict=True):
+        stream.wait_event(start)
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            end.record()
+    for _ in range(matmuls):
+        a @ a
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / 1e3 for end in ends]
+
+
+def measure(kind: str, nbytes: int, chunk: int, copies: int, seed: int = 0) -> list[dict]:
+    host, registered = host_buffer(kind, nbytes)
+    try:
+        host.view(-1)[::4096].fill_(1)  # every page touched before timing
+        device = torch.empty(copies * chunk, dtype=torch.uint8, device="cuda")
+        rng = random.Random(seed)
+        offsets = [rng.randrange(nbytes // chunk) * chunk for _ in range(copies)]
+        spread = [host[o:o + chunk] for o in offsets]
+        same = [host[:chunk]] * copies
+        dev = [device[k * chunk:(k + 1) * chunk] for k in range(copies)]
+        rows = []
+        for layout, srcs in (("spread", spread), ("same chunk", same)):
+            h2d = list(zip(dev, srcs, strict=True))
+            d2h = list(zip(srcs, dev, strict=True))
+            time_copies([h2d[:4]])  # warm-up
+            cases = {"h2d": ([h2d], 0), "d2h": ([d2h], 0), "both": ([h2d, d2h], 0), "h2d beside matmuls": ([h2d], 40)}
+            for case, (streams, matmuls) in cases.items():
+                seconds = time_copies(streams, matmuls)
+                row = {"kind": kind, "layout": layout, "case": case, "chunk_bytes": chunk, "copies": copies,
+                       "buffer_bytes": nbytes, "seconds": seconds,
+                       "gb_per_s": [copies * chunk / s / 1e9 for s in seconds]}
+                log.info("%-18s %-10s %-20s %s GB/s", kind, layout, case,
+                         " / ".join(f"{g:.1f}" for g in row["gb_per_s"]))
+                rows.append(row)
+        return rows
+    finally:
+        if registered:
+            unpin(host)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m turnip.bench.pinned_memory", description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=8.0, help="pinned buffer size, GiB")
+    ap.add_argument("--chunk-mib", type=int, default=64, help="bytes per copy, MiB")
+    ap.add_argument("--copies", type=int, default=48, help="copies per timed batch")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not torch.cuda.is_available():
+        raise SystemExit("pinned_memory needs a CUDA device")
+    nbytes, chunk = int(args.gib * (1 << 30)), args.chunk_mib << 20
+    rows = [row for kind in args.kinds.split(",") for row in measure(kind, nbytes, chunk, args.copies)]
+    out = {**run_metadata("pinned_memory"), "transparent_hugepage": THP.read_text().strip() if THP.exists() else None,
+           "rows": rows}
+    path = result_path("pinned_memory.json")
+    path.write_text(json.dumps(out, indent=1))
+    log.info("results in %s", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
