@@ -5,6 +5,7 @@ clearly before any step runs."""
 from __future__ import annotations
 
 import pytest
+import torch
 from turnip.engine.host_memory import RESERVE_MIN, describe_host, host_memory, pinnable_bytes
 from turnip.ir.errors import InfeasibleBudget
 from turnip.memgraph.compile import GIB, within_host
