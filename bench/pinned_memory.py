@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         raise SystemExit("pinned_memory needs a CUDA device")
     nbytes, chunk = int(args.gib * (1 << 30)), args.chunk_mib << 20
     rows = [row for kind in args.kinds.split(",") for row in measure(kind, nbytes, chunk, args.copies)]
-    out = {**run_metadata("pinned_memory"), "transparent_hugepage": THP.read_text().strip() if THP.exists() else None,
+    out = {**run_metadata(), "transparent_hugepage": THP.read_text().strip() if THP.exists() else None,
            "rows": rows}
     path = result_path("pinned_memory.json")
     path.write_text(json.dumps(out, indent=1))
