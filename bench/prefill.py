@@ -75,6 +75,7 @@ class PrefillConfig:
     planner_options: dict = field(default_factory=dict)
     time_limit: float | None = None  # seconds for the whole command; None: no limit
     tag: str = ""  # suffix of the JSON's name: split runs of one command keep apart files
+    audit: bool = False  # turnip rows: one more step under the allocator's history, listing what is live beside the arena at its peak
 
 
 def llama(tiny: bool, device: str = "cpu") -> torch.nn.Module:
@@ -210,6 +211,8 @@ def run_turnip(model, ids: torch.Tensor, budget: str, cfg: PrefillConfig,
                    floor_h2d_s=floor["h2d"], predicted_s=mg.stats.get("predicted_step_s") or mg.plan.predicted_time)
         logits = out.float().cpu()
         compare(row, logits, reference)
+        if cfg.audit and cfg.device.startswith("cuda"):
+            row["beside_arena_at_peak"] = beside_arena(mg, ids)
     except memgraph.InfeasibleBudget as exc:
         row.update(status="infeasible", error=str(exc)[:400])
     except torch.OutOfMemoryError as exc:
@@ -219,6 +222,26 @@ def run_turnip(model, ids: torch.Tensor, budget: str, cfg: PrefillConfig,
             mg.release()
         release_memory(cfg.device)
     return row, logits
+
+
+def beside_arena(mg, ids: torch.Tensor) -> dict:
+    """One more step recorded by the caching allocator: its peak and the blocks live then other than
+    the arena, largest first, with the frame that allocated each (bench/memory_audit.py's replay)."""
+    from turnip.bench.memory_audit import frame_of, live_at_peak
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        engine.run(mg, ids)
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, at_peak = live_at_peak(snapshot, before)
+    blocks = sorted(({"bytes": e["size"], "where": frame_of(e)} for e in at_peak), key=lambda b: -b["bytes"])
+    return {"allocated_before": before, "arena_bytes": mg.arena_bytes, "gpu_budget": mg.plan.gpu_budget,
+            "peak": peak, "blocks": blocks[:12]}
 
 
 def run_accelerate(model, ids: torch.Tensor, budget: str, cfg: PrefillConfig,
@@ -431,11 +454,13 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=None, help="seconds for the whole command: a cell "
                         "that would start with less than 10 s left is a timeout row (default: no limit)")
     parser.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--audit", action="store_true", help="turnip rows also list the CUDA blocks live beside "
+                        "the arena at the step's peak (one more step, recorded by the caching allocator)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     cfg = PrefillConfig(tiny=args.tiny, steps=args.steps, warmup=args.warmup, time_limit=args.time_limit,
-                        tag=args.tag, systems=[s for s in args.systems.split(",") if s])
+                        tag=args.tag, systems=[s for s in args.systems.split(",") if s], audit=args.audit)
     unknown = [s for s in cfg.systems if s not in SYSTEMS]
     if unknown:
         parser.error(f"unknown systems {unknown} (known: {', '.join(SYSTEMS)})")
