@@ -51,7 +51,7 @@ from turnip.engine.host_lane import HostDone, HostStream
 from turnip.engine.host_memory import describe_host, host_memory
 from turnip.engine.loop import Launch
 from turnip.engine.resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD
-from turnip.engine.runtime import InputBinding, OutputBinding, Runtime
+from turnip.engine.runtime import InputBinding, OutputBinding, Runtime, arena_devices
 from turnip.ir.budget import format_bytes
 from turnip.ir.memgraph import MemGraph, Stream
 from turnip.kernels.launch import PreparedVertex
@@ -70,6 +70,8 @@ class CudaRuntime(Runtime):
         self.depth = depth
         self.transfer_depth = CUDA_TRANSFER_AHEAD  # set per step by engine.run's transfer_ahead
         self.mg = mg
+        self.rng = RngReplay(mg.taskgraph, torch.device("cuda", arena_devices(mg)[0]))
+        self.rng.measure()  # before the arena exists (RngReplay.measure)
         super().__init__(mg)
         graph = self.graph
         n = graph.n
@@ -85,9 +87,6 @@ class CudaRuntime(Runtime):
         self._shared_keys: list[bool] = []  # per stream key, set per step: several instances this step
         self.outputs: dict[str, torch.Tensor] = {}
         self.host_out: dict[int, torch.Tensor] = {}
-        tg = mg.taskgraph
-
-        self.rng = RngReplay(tg, torch.device("cuda", self.devices[0]))
         self.segment_graphs = SegmentGraphs(mg, self.graph.units)
         self.shared_workspace = True  # set per step: False when a device has several compute streams
         self._ctx = None

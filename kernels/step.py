@@ -42,6 +42,21 @@ class RngReplay:
         outputs = [self._tensor(v) if v >= 0 else None for v in vertex.outputs]
         run_vertex(vertex, resolve, outputs, scalars={}, rng_state=None, device=self.device)
 
+    def measure(self) -> None:
+        """CUDA: measure each random vertex's generator advance now, on scratch tensors freed before
+        returning, and put the generator back where it was. The engine calls it before allocating
+        its arena: measured during the first step instead, the scratch outputs (two of the largest
+        random op's outputs, 2 x 256 MiB for a 32K-token prefill's attention) came on top of the
+        arena and took the step's peak past its budget."""
+        if self.device.type != "cuda" or not self.vertices or self._advances is not None:
+            return
+        gen = default_generator(self.device)
+        start = gen.get_state()
+        try:
+            self.capture()
+        finally:
+            gen.set_state(start)
+
     def capture(self) -> dict[int, torch.Tensor]:
         """Each random vertex's generator state; leaves the generator where eager's step would."""
         if not self.vertices:

@@ -103,6 +103,27 @@ def test_steps_after_the_first_two_allocate_nothing():
     assert after["segment.all.allocated"] == before["segment.all.allocated"]  # no new cudaMalloc
 
 
+def test_random_ops_are_measured_before_the_arena_is_allocated():
+    """The generator advances of random ops are measured on scratch tensors before the arena
+    exists, so the first step's peak is not the arena plus two of the largest random outputs."""
+    model, loss_fn, batches = make_case("gpt", dropout=0.1, device="cuda")
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(trainable(model)),
+                          budget=budget_bytes(model, loss_fn, batches[0], 0.5), device="cuda")
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        engine.run(mg, batches[0])
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    allocs = [e for trace in snapshot["device_traces"] for e in trace if e["action"] == "alloc"]
+    arena = next(k for k, e in enumerate(allocs) if e["size"] == mg.arena_bytes)
+    scratch = [k for k, e in enumerate(allocs)
+               if any(f.get("filename", "").endswith("kernels/step.py") for f in e.get("frames", []))]
+    assert scratch and max(scratch) < arena
+    mg.release()
+
+
 def test_cuda_dropout_replay_is_stable_across_steps():
     """Later steps compute generator states by counting; they must equal eager's draws."""
     model, loss_fn, batches = make_case("mlp", dropout=0.3, device="cuda")
