@@ -321,9 +321,10 @@ def _huge_page_buffer(nbytes: int) -> torch.Tensor:
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mapping.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -whole.data_ptr() % HUGE_PAGE
-    return whole[start:start + nbytes]
+    start = -torch.frombuffer(mapping, dtype=torch.uint8).data_ptr() % HUGE_PAGE
+    # a storage of its own from the aligned start: what is registered is then the whole storage,
+    # and torch's is_pinned (which asks about the storage's first byte) says so
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
 
 
 def unpin(buf: torch.Tensor) -> None:

@@ -32,6 +32,10 @@ from turnip.kernels.ops import resolve_op
 from turnip.planners import measure
 
 log = logging.getLogger(__name__)
+# Beside the library workspaces, a step's own small CUDA blocks (generator states, scalar results,
+# the batch's copy-in): the 7B prefill's measured peak was 2,560 bytes over its budget without this
+# (bench/results/h100/prefill_s11.json, peak_allocated - budget)
+SMALL_BLOCKS = 1 << 20
 
 CACHE_VERSION = 2  # 2: workspace and time measured through PreparedVertex, back to back
 
@@ -294,12 +298,13 @@ class CostModel:
     @property
     def runtime_reserve(self) -> int:
         """Bytes the engine's compute stream keeps beside arena and op workspace: the cuBLAS and
-        cuBLASLt workspaces a new stream gets on its first matmul (measured; 0 off CUDA)."""
+        cuBLASLt workspaces a new stream gets on its first matmul (measured), and SMALL_BLOCKS for
+        the step's own small blocks; 0 off CUDA."""
         if not self.measure or not self.device.startswith("cuda"):
             return 0
         if self._reserve is None:
             self._reserve = measure.measure_stream_reserve(self.device)
-        return self._reserve
+        return self._reserve + SMALL_BLOCKS
 
     @property
     def h2d_bandwidth(self) -> float:

@@ -63,5 +63,6 @@ def test_huge_page_buffer_is_aligned_writable_and_exactly_sized():
     buf = _huge_page_buffer(3 * HUGE_PAGE + 123)
     assert buf.numel() == 3 * HUGE_PAGE + 123 and buf.dtype is torch.uint8
     assert buf.data_ptr() % HUGE_PAGE == 0
+    assert buf.untyped_storage().data_ptr() == buf.data_ptr()  # registered from the storage's first byte
     buf.fill_(7)
     assert int(buf[-1]) == 7 and int(buf.sum()) == 7 * buf.numel()
