@@ -14,6 +14,11 @@ beside a stream of bf16 matmuls. The buffers:
   2 MiB) and pinned with cudaHostRegister;
 - ``hostalloc``: torch's pinned allocator (cudaHostAlloc; it rounds a request up to a power of two).
 
+With ``--step MODEL --budget B`` it also compiles a bench model's training step at B (compile's
+budget: bytes, a size such as 8.66GiB, or a fraction of the unplanned peak) and times it with the
+engine's pinned storage made each way (``CudaRuntime(huge_pages=...)``), the two alternating for
+``--rounds`` rounds on the one MemGraph: the step's reloads are where a difference shows.
+
 Needs a CUDA device. Writes bench/results/pinned_memory.json.
 """
 
@@ -92,12 +97,52 @@ def measure(kind: str, nbytes: int, chunk: int, copies: int, seed: int = 0) -> l
             unpin(host)
 
 
+def time_step(model: str, budget: str, rounds: int, steps: int, warmup: int = 2) -> dict:
+    """Median step seconds of one compiled MemGraph per kind of pinned storage, kinds alternating."""
+    import statistics
+
+    from turnip.bench.models.sizes import make_workload
+    from turnip.bench.peers.common import trainable
+    from turnip.engine.cuda import CudaRuntime
+    from turnip import engine, memgraph
+
+    workload = make_workload(model)
+    batch = workload.batch_on("cuda")
+    optimizer = workload.optimizer(trainable(workload.model))
+    mg = memgraph.compile(workload.model, workload.loss_fn, batch, optimizer=optimizer, budget=int(budget) if budget.isdigit() else budget,
+                          device="cuda")
+    times: dict[str, list[float]] = {"register-hugepage": [], "register": []}
+    for _ in range(rounds):
+        for kind in times:
+            mg.release()
+            mg.runtime = CudaRuntime(mg, huge_pages=kind == "register-hugepage")
+            for k in range(warmup + steps):
+                torch.cuda.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                engine.run(mg, batch)
+                end.record()
+                torch.cuda.synchronize()
+                if k >= warmup:
+                    times[kind].append(start.elapsed_time(end) / 1e3)
+            log.info("%s %s: %s ms", model, kind, " ".join(f"{t * 1e3:.1f}" for t in times[kind][-steps:]))
+    mg.release()
+    return {"model": model, "budget": budget, "gpu_budget": mg.plan.gpu_budget, "pinned_bytes": mg.cpu_bytes,
+            "rounds": rounds, "steps_per_round": steps, "steps_s": times,
+            "median_s": {kind: statistics.median(ts) for kind, ts in times.items()}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m turnip.bench.pinned_memory", description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=8.0, help="pinned buffer size, GiB")
     ap.add_argument("--chunk-mib", type=int, default=64, help="bytes per copy, MiB")
     ap.add_argument("--copies", type=int, default=48, help="copies per timed batch")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    ap.add_argument("--step", default=None, help="also time this bench model's step (gpt350m, gpt1.3b, ...)")
+    ap.add_argument("--budget", default="0.25", help="compile's budget for --step")
+    ap.add_argument("--rounds", type=int, default=2, help="--step: rounds of the two kinds, alternating")
+    ap.add_argument("--steps", type=int, default=5, help="--step: timed steps per kind and round")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -106,6 +151,9 @@ def main(argv=None) -> int:
     rows = [row for kind in args.kinds.split(",") for row in measure(kind, nbytes, chunk, args.copies)]
     out = {**run_metadata(), "transparent_hugepage": THP.read_text().strip() if THP.exists() else None,
            "rows": rows}
+    if args.step:
+        out["step"] = time_step(args.step, args.budget, args.rounds, args.steps)
+        log.info("step medians: %s", {k: f"{v * 1e3:.1f} ms" for k, v in out["step"]["median_s"].items()})
     path = result_path("pinned_memory.json")
     path.write_text(json.dumps(out, indent=1))
     log.info("results in %s", path)

@@ -66,8 +66,9 @@ DEFAULT_DEPTH = CUDA_LAUNCH_AHEAD  # unfinished compute vertices a stream may ho
 class CudaRuntime(Runtime):
     device_type = "cuda"
 
-    def __init__(self, mg: MemGraph, depth: int = DEFAULT_DEPTH):
+    def __init__(self, mg: MemGraph, depth: int = DEFAULT_DEPTH, huge_pages: bool = True):
         self.depth = depth
+        self.huge_pages = huge_pages  # pinned storage from huge pages (pinned_bytes); False for comparison
         self.transfer_depth = CUDA_TRANSFER_AHEAD  # set per step by engine.run's transfer_ahead
         self.mg = mg
         self.rng = RngReplay(mg.taskgraph, torch.device("cuda", arena_devices(mg)[0]))
@@ -101,7 +102,7 @@ class CudaRuntime(Runtime):
     def _allocate(self, mg: MemGraph) -> None:
         for dev in self.devices:
             self.arenas[dev] = torch.empty(mg.arena_bytes, dtype=torch.uint8, device=torch.device("cuda", dev))
-        self.storage = pinned_bytes(mg.cpu_bytes)
+        self.storage = pinned_bytes(mg.cpu_bytes, self.huge_pages)
         self._pinned = mg.cpu_bytes > 0  # registered with CUDA: unregister before the bytes go back to the heap
         log.info("cuda runtime: arena %d bytes on %s, pinned storage %d bytes", mg.arena_bytes, self.devices,
                  mg.cpu_bytes)
