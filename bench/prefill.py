@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from turnip.bench.memory_audit import frame_of, live_at_peak
 from turnip.bench.models.llama import LLAMA2_7B
 from turnip.bench.options import planner_options
 from turnip.bench.peers import zero_inference
@@ -231,8 +232,6 @@ def beside_arena(mg, ids: torch.Tensor, runs: int = 1) -> dict:
     """``runs`` steps recorded by the caching allocator: their peak and the blocks live then other
     than the arena, largest first, with the frame that allocated each (bench/memory_audit.py's
     replay). The row's peak_allocated counts these steps too."""
-    from turnip.bench.memory_audit import frame_of, live_at_peak
-
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)

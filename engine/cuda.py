@@ -66,9 +66,9 @@ DEFAULT_DEPTH = CUDA_LAUNCH_AHEAD  # unfinished compute vertices a stream may ho
 class CudaRuntime(Runtime):
     device_type = "cuda"
 
-    def __init__(self, mg: MemGraph, depth: int = DEFAULT_DEPTH, huge_pages: bool = True):
+    def __init__(self, mg: MemGraph, depth: int = DEFAULT_DEPTH, huge_pages: bool = False):
         self.depth = depth
-        self.huge_pages = huge_pages  # pinned storage from huge pages (pinned_bytes); False for comparison
+        self.huge_pages = huge_pages  # pinned storage from huge pages (pinned_bytes), for comparison
         self.transfer_depth = CUDA_TRANSFER_AHEAD  # set per step by engine.run's transfer_ahead
         self.mg = mg
         self.rng = RngReplay(mg.taskgraph, torch.device("cuda", arena_devices(mg)[0]))
@@ -291,14 +291,15 @@ class CudaRuntime(Runtime):
         self.outputs[binding.name] = host
 
 
-def pinned_bytes(nbytes: int, huge_pages: bool = True) -> torch.Tensor:
+def pinned_bytes(nbytes: int, huge_pages: bool = False) -> torch.Tensor:
     """Exactly nbytes of page-locked host memory. torch's pinned allocator rounds a request up to
     a power of two (11 GB becomes 16 GiB); registering an ordinary buffer with cudaHostRegister
     pins only what is asked for, and copies from it run asynchronously like any pinned memory.
 
     huge_pages: the buffer is an anonymous mapping advised MADV_HUGEPAGE (transparent huge pages,
-    where the kernel allows them): a copy's DMA reads of host memory then cross 2 MiB pages instead
-    of 4 KiB ones (`python -m turnip.bench.pinned_memory` measures both)."""
+    where the kernel allows them) instead of torch's heap. On the H100 it made no difference (a
+    step's reloads, and copies spread over 8 GiB, alike: `python -m turnip.bench.pinned_memory`),
+    so it is off by default."""
     memory = host_memory()
     if memory is not None and nbytes > memory[1]:  # refused before the host is pushed into swap
         raise EngineError(f"the plan pins {format_bytes(nbytes)} ({nbytes} bytes) of host memory for its CPU "

@@ -16,7 +16,7 @@ import time
 
 from turnip.ir.describe import format_task_vertex
 from turnip.ir.errors import InfeasibleBudget
-from turnip.ir.memgraph import MemGraph
+from turnip.ir.memgraph import Kind, MemGraph
 from turnip.ir.plan import CPU, Plan
 from turnip.ir.taskgraph import TaskGraph
 from turnip.memgraph.horizons import HorizonWalk, OutOfMemory
@@ -27,13 +27,13 @@ log = logging.getLogger(__name__)
 
 
 def _attempt(tg: TaskGraph, order: list[int], plan: Plan, alignment: int, gpu_budget: int,
-             sched: Schedule | None = None, compact: bool = False) -> MemGraph:
+             sched: Schedule | None = None, compact: bool = False, prefetch: bool = True) -> MemGraph:
     started = time.perf_counter()
     sched = sched or Schedule(tg, order, plan, alignment)
     scheduled = time.perf_counter() - started
     if gpu_budget < sched.min_gpu_budget()[0]:
         raise OutOfMemory("gpu", -1)  # some step cannot fit: no need to simulate
-    mg = HorizonWalk(tg, order, plan, alignment, gpu_budget, sched, compact).run()
+    mg = HorizonWalk(tg, order, plan, alignment, gpu_budget, sched, compact, prefetch).run()
     mg.stats["seconds_schedule"] = scheduled
     return mg
 
@@ -134,6 +134,21 @@ def build_walks(taskgraph: TaskGraph, plan: Plan, alignment: int = 256,
     return walks + ([packed] if packed is not None else [])
 
 
+def rebuild_ahead(mg: MemGraph, prefetch: bool) -> MemGraph:
+    """The allocate-ahead walk of a built MemGraph's own (expanded) graph, serial order and plan,
+    with or without the reservations of reloads (horizons.HorizonWalk's prefetch), for a
+    comparison on one plan (bench/prefetch_ab.py); what compile adds (optimizer, initial state,
+    names) is copied over."""
+    order = [mv.task_vertex for mv in (mg.vertices[v] for v in mg.serial) if mv.kind is Kind.COMPUTE]
+    segment_size = None if mg.taskgraph.device == "cuda" else 1
+    if mg.segments and max(len(seg) for seg in mg.segments) <= 1:
+        segment_size = 1
+    new = _walk(mg.taskgraph, order, mg.plan, mg.alignment, False, segment_size, prefetch)
+    new.initial_state, new.names, new.device = dict(mg.initial_state), dict(mg.names), mg.device
+    new.stats.update((k, mg.stats[k]) for k in ("unplanned_peak", "loss_blocks") if k in mg.stats)
+    return new
+
+
 def _expanded(taskgraph: TaskGraph, plan: Plan, alignment: int) -> tuple[TaskGraph, list[int]]:
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, not {alignment}")
@@ -165,11 +180,11 @@ def _no_cycle_collection():
 
 
 def _walk(graph: TaskGraph, order: list[int], plan: Plan, alignment: int, compact: bool,
-          segment_size: int | str | None) -> MemGraph:
+          segment_size: int | str | None, prefetch: bool = True) -> MemGraph:
     started = time.perf_counter()
     with _no_cycle_collection():
         try:
-            mg = _attempt(graph, order, plan, alignment, plan.gpu_budget, compact=compact)
+            mg = _attempt(graph, order, plan, alignment, plan.gpu_budget, compact=compact, prefetch=prefetch)
         except OutOfMemory as exc:
             minimum, vertex = _minimum(graph, order, plan, alignment, compact)
             if minimum > plan.gpu_budget:

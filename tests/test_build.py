@@ -307,3 +307,32 @@ def test_reloads_are_reserved_ahead_so_they_can_start_before_the_step_before_the
     late, old = early_reloads(False)
     assert mg.stats["reload_reservations"] > 0 and "reload_reservations" not in old.stats
     assert early > late + 0.2  # 62 of 82 against 35 of 79 when written
+
+
+def test_rebuild_ahead_with_and_without_reservations_runs_like_eager():
+    """memgraph.build.rebuild_ahead (bench/prefetch_ab.py): the allocate-ahead walk of a compiled
+    step's own plan, with and without reload reservations; both verify and train bitwise like eager."""
+    import torch
+    from cases import assert_same_state, eager_steps, make_case, trainable
+    from turnip.ir.optimizer import CompiledOptimizer
+    from turnip.memgraph.build import rebuild_ahead
+
+    from turnip import engine, memgraph
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False)
+
+    model, loss_fn, batches = make_case("mlp")
+    _, want = eager_steps(model, loss_fn, batches, sgd)
+    optimizer = sgd(trainable(model))
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=optimizer, budget=0.4, device="cpu", verbose=False)
+    for prefetch in (True, False):
+        again = rebuild_ahead(mg, prefetch)
+        again.optimizer = CompiledOptimizer(again, optimizer)
+        assert verify(again) == []
+        if not prefetch:
+            assert "reload_reservations" not in again.stats
+        torch.manual_seed(123)
+        for b in batches:
+            engine.run(again, b)
+        assert_same_state(again.state_dict(), want)

@@ -1,0 +1,97 @@
+"""Reload reservations on a device: one plan built with and without them, run alternately.
+
+    python -m turnip.bench.prefetch_ab --model gpt1.3b --budget 9297220096 [--rounds 3] [--steps 4]
+
+The allocate-ahead walk of the builder reserves a reload's bytes when its reader enters the
+allocation horizon (memgraph/horizons.py), so the reload may start once those bytes are free
+instead of when the step before its reader frees some. This compiles a bench model's step once
+(compile's budget: bytes, a size such as 8.66GiB, or a fraction of the unplanned peak), rebuilds the
+allocate-ahead walk of its plan both ways (memgraph.build.rebuild_ahead), and times the two
+MemGraphs alternately on one device, each beside its simulated step. Needs a CUDA device. Writes
+bench/results/prefetch_ab_<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+
+import torch
+from turnip.bench.models.sizes import make_workload
+from turnip.bench.peers.common import trainable
+from turnip.bench.results import result_path, run_metadata
+from turnip.engine.timing_sim import simulate, transfer_bytes
+from turnip.ir.optimizer import CompiledOptimizer
+from turnip.memgraph.build import rebuild_ahead
+from turnip.planners.costs import CostModel
+
+from turnip import engine, memgraph
+
+log = logging.getLogger(__name__)
+
+
+def timed_steps(mg, batch, steps: int, warmup: int) -> list[float]:
+    times = []
+    for k in range(warmup + steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        engine.run(mg, batch)
+        end.record()
+        torch.cuda.synchronize()
+        if k >= warmup:
+            times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m turnip.bench.prefetch_ab", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="gpt1.3b")
+    ap.add_argument("--budget", default="0.25", help="compile's budget: bytes, a size, or a fraction")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the two builds, alternating")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per build and round")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per build and round")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    if not torch.cuda.is_available():
+        raise SystemExit("prefetch_ab needs a CUDA device")
+    workload = make_workload(args.model)
+    batch = workload.batch_on("cuda")
+    optimizer = workload.optimizer(trainable(workload.model))
+    budget = int(args.budget) if args.budget.isdigit() else args.budget
+    compiled = memgraph.compile(workload.model, workload.loss_fn, batch, optimizer=optimizer, budget=budget,
+                                device="cuda", verbose=False)
+    costs = CostModel(device="cuda")
+    builds = {}
+    for name, prefetch in (("reservations", True), ("no reservations", False)):
+        mg = rebuild_ahead(compiled, prefetch)
+        mg.optimizer = CompiledOptimizer(mg, optimizer)
+        builds[name] = mg
+    compiled.release()
+    rows = {name: {"simulated_s": simulate(mg, costs, backend="cuda").step_time,
+                   "bytes_h2d": transfer_bytes(mg)[0], "bytes_d2h": transfer_bytes(mg)[1],
+                   "reload_reservations": mg.stats.get("reload_reservations", 0), "steps_s": []}
+            for name, mg in builds.items()}
+    for _ in range(args.rounds):
+        for name, mg in builds.items():
+            rows[name]["steps_s"] += timed_steps(mg, batch, args.steps, args.warmup)
+            mg.release()  # one arena and one pinned storage at a time
+            log.info("%s: %s ms", name, " ".join(f"{t * 1e3:.1f}" for t in rows[name]["steps_s"][-args.steps:]))
+    for name, row in rows.items():
+        row["median_s"] = statistics.median(row["steps_s"])
+        log.info("%-16s median %.1f ms, simulated %.1f ms, %d reload reservations", name, row["median_s"] * 1e3,
+                 row["simulated_s"] * 1e3, row["reload_reservations"])
+    out = {**run_metadata(), "benchmark": "prefetch_ab", "model": args.model, "budget": args.budget,
+           "gpu_budget": compiled.plan.gpu_budget, "planner": compiled.plan.planner, "rounds": args.rounds,
+           "rows": rows}
+    path = result_path(f"prefetch_ab_{args.model}.json")
+    path.write_text(json.dumps(out, indent=1))
+    log.info("results in %s", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
