@@ -72,6 +72,7 @@ def export(workload: Workload, device: str, out: Path, eager: bool = True, loss_
     facts = {**run_metadata(), "model": workload.name, "loss_blocks": loss_blocks or 1, "costs": priced,
              "device": tg.device if analytic_cuda else device, "device_name": device_name(device),
              "h2d_bandwidth": costs.h2d_bandwidth, "d2h_bandwidth": costs.d2h_bandwidth,
+             "duplex_bandwidth": costs.duplex_bandwidth,
              "host_per_vertex": costs.host_per_vertex_on(tg.device), "vertices": len(tg.vertices),
              "export_seconds": None}
     if eager:  # the suite's budgets are fractions of eager's measured peak: keep it beside the step
@@ -89,6 +90,7 @@ def offline_costs(facts: dict) -> CostModel:
     """A cost model that measures nothing: the op times are in the step, the link and host rates
     are the exporting machine's."""
     spec = DeviceSpec(name=facts.get("device_name", "exported"), h2d=facts["h2d_bandwidth"],
+                      duplex=facts.get("duplex_bandwidth"),
                       d2h=facts["d2h_bandwidth"], host_per_vertex=facts["host_per_vertex"])
     return CostModel(device="cuda", spec=spec, measure=False)
 

@@ -56,6 +56,8 @@ class DeviceSpec:
     mem_bw: float = 3e12  # HBM bytes/s
     h2d: float = 50e9  # pinned host -> device bytes/s
     d2h: float = 50e9  # device -> pinned host bytes/s
+    # bytes/s in all with both directions copying at once; None: each direction at its own rate
+    duplex: float | None = None
     launch: float = 5e-6  # floor per op on the device: launch latency
     # Host seconds the engine's Python event loop spends per MemGraph vertex it launches
     # (compute, offload, reload, ...). Host and device run concurrently, so this is a resource of
@@ -314,6 +316,19 @@ class CostModel:
     @property
     def d2h_bandwidth(self) -> float:
         return self._bandwidth("d2h")
+
+    @property
+    def duplex_bandwidth(self) -> float:
+        """Bytes/s the link moves in all when both directions copy at once (measured on CUDA, else
+        the spec's; at most the two directions' rates added)."""
+        both = self.h2d_bandwidth + self.d2h_bandwidth
+        if not self.measure or not self.device.startswith("cuda"):
+            return min(self.spec.duplex or both, both)
+        cache = self.cache
+        if "duplex" not in cache.bandwidth:
+            cache.bandwidth["duplex"] = measure.measure_duplex(self.device)
+            cache.save()
+        return min(cache.bandwidth["duplex"], both)
 
     def _bandwidth(self, direction: str) -> float:
         if not self.measure or not self.device.startswith("cuda"):

@@ -153,12 +153,18 @@ def _time_row(f: Formulation, k: int, what: str, terms: dict[int, float], const:
 
 
 def _window_time_rows(problem: Problem, f: Formulation, loads: WindowLoads) -> None:
-    """T[k] at least the window's compute and its transfers in each direction."""
+    """T[k] at least the window's compute, its transfers in each direction, and both together at
+    the link's duplex rate."""
     for k in range(problem.n_windows):
         f.T.append(f.col(f"T_{k}", 0.0, None, False, 1.0))
         _time_row(f, k, "compute", loads.compute[k], problem.base_compute[k], 1.0)
         _time_row(f, k, "h2d", loads.h2d[k], problem.base_h2d[k], 1.0 / problem.bw_h2d)
         _time_row(f, k, "d2h", loads.d2h[k], problem.base_d2h[k], 1.0 / problem.bw_d2h)
+        if math.isfinite(problem.bw_duplex):  # both directions at once share the link
+            both = dict(loads.h2d[k])
+            for c, v in loads.d2h[k].items():
+                both[c] = both.get(c, 0.0) + v
+            _time_row(f, k, "link", both, problem.base_h2d[k] + problem.base_d2h[k], 1.0 / problem.bw_duplex)
 
 
 def _host_time_rows(problem: Problem, f: Formulation, loads: WindowLoads) -> None:

@@ -203,6 +203,33 @@ def measure_bandwidth(device: str, nbytes: int = 64 << 20, runs: int = 5) -> dic
     return out
 
 
+def measure_duplex(device: str, nbytes: int = 64 << 20, runs: int = 5) -> float:
+    """Bytes/s the link moves in all with a pinned copy running each way at once (two streams):
+    less than the two directions' own rates added (the H100 machine: about 50 GB/s each way against
+    55 alone, bench/pinned_memory.py)."""
+    dev = torch.device(device)
+    host_in, host_out = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+    gpu_in, gpu_out = (torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(2))
+    streams = [torch.cuda.Stream(dev) for _ in range(2)]
+    samples = []
+    for k in range(runs + 1):  # the first is a warm-up
+        torch.cuda.synchronize(dev)
+        start = torch.cuda.Event(enable_timing=True)
+        ends = [torch.cuda.Event(enable_timing=True) for _ in streams]
+        start.record()
+        for stream, end, (dst, src) in zip(streams, ends, ((gpu_in, host_in), (host_out, gpu_out)), strict=True):
+            stream.wait_event(start)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+                end.record()
+        torch.cuda.synchronize(dev)
+        if k:
+            samples.append(2 * nbytes / (max(start.elapsed_time(end) for end in ends) / 1e3))
+    rate = statistics.median(samples)
+    log.info("link bandwidth on %s, both ways at once: %.1f GB/s in all", device_name(device), rate / 1e9)
+    return rate
+
+
 def measure_host_update(device: str | None = None, elements: int = 1 << 26, runs: int = 3) -> float:
     """Parameters per second of a CPU AdamW step (torch's CPU _fused_adamw_) as the engine's host lane
     runs it (plan.host_update): on one intra-op thread fewer than torch's (kernels/threads.py) and,

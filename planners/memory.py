@@ -68,8 +68,9 @@ def item_seconds(problem: Problem, item) -> float:
 def window_times(compute: np.ndarray, host: np.ndarray, h2d: np.ndarray, d2h: np.ndarray,
                  problem: Problem) -> np.ndarray:
     """Seconds of each window: its busiest resource, since the GPU, the host and the link in each
-    direction all work at once."""
-    return np.maximum(np.maximum(compute, host), np.maximum(h2d / problem.bw_h2d, d2h / problem.bw_d2h))
+    direction all work at once (the two directions together at most at the link's duplex rate)."""
+    link = np.maximum(np.maximum(h2d / problem.bw_h2d, d2h / problem.bw_d2h), (h2d + d2h) / problem.bw_duplex)
+    return np.maximum(np.maximum(compute, host), link)
 
 
 def need_times(problem: Problem, kinds: list[str]) -> list[int]:

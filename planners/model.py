@@ -22,6 +22,10 @@ are runs of positions whose transfers overlap their compute, and they price time
 transfer lands in the window of production (offload, write-back) or the one before its use
 (reload, fetch). Sizes are rounded up to the builder's alignment.
 
+The link in both directions at once is a resource too: a window's offloads and reloads together
+take at least their bytes over `bw_duplex` (the H100 moves about 50 GB/s each way at once against
+55 alone).
+
 Host time is the third resource of a window, beside the GPU and the link: the engine's event
 loop spends `host_per_vertex` seconds on every MemGraph vertex it launches, concurrently with
 the device. Every TaskGraph vertex, batch input and step output is one launch (base_host); a
@@ -119,6 +123,8 @@ class Problem:
     gpu_budget: int
     headroom: float
     host_per_vertex: float = 0.0  # host seconds per launched MemGraph vertex (costs.CostModel)
+    # bytes/s the link moves in all with both directions busy (inf: each direction at its own rate)
+    bw_duplex: float = float("inf")
 
     @property
     def latest_first(self) -> list[int]:

@@ -31,7 +31,8 @@ def default_windows(n: int) -> int:
 def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, *, bw_h2d: float,
                   bw_d2h: float, headroom: float = 0.92, alignment: int = 256, windows: int | None = None,
                   depth: int = 3, max_candidates: int = 6, max_chain: int = 8, max_items: int = 512,
-                  order: list[int] | None = None, host_per_vertex: float = 0.0, reload_room: bool = False) -> Problem:
+                  order: list[int] | None = None, host_per_vertex: float = 0.0, reload_room: bool = False,
+                  bw_duplex: float | None = None) -> Problem:
     order = list(order) if order is not None else step_order(tg)
     n = len(order)
     pos = np.full(len(tg.vertices), -1, dtype=np.int64)
@@ -260,7 +261,8 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
                       base_d2h=np.zeros(len(win_start)), base_host=base_host, groups=groups, items=items,
                       item_of=item_of, required_by=required_by, cap=cap,
                       cpu_cap=float("inf") if cpu_budget is None else float(cpu_budget),
-                      bw_h2d=float(bw_h2d), bw_d2h=float(bw_d2h), max_workspace=max_ws, alignment=alignment,
+                      bw_h2d=float(bw_h2d), bw_d2h=float(bw_d2h),
+                      bw_duplex=float(bw_duplex) if bw_duplex else math.inf, max_workspace=max_ws, alignment=alignment,
                       gpu_budget=int(gpu_budget), headroom=headroom, host_per_vertex=float(host_per_vertex))
     log.info("problem: %d positions, %d windows, %d groups (%d options), %d home items, cap %d bytes",
              n, len(win_start), len(groups), sum(len(g.options) for g in groups), len(items), cap)
