@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import types
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from turnip.planners.decode import from_solution, to_plan
 from turnip.planners.driver import builder_floor, make_problem
 from turnip.planners.greedy import greedy
 from turnip.planners.ilp import formulate, start_values
-from turnip.planners.memory import TIE_BREAK, Decisions, evaluate, need_times, structural_problems
+from turnip.planners.memory import TIE_BREAK, Decisions, evaluate, need_times, structural_problems, window_times
 from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, step_order
 from turnip.planners.solver import solve
 
@@ -694,3 +695,14 @@ def test_the_auto_problems_are_planned_side_by_side(small_gpt, monkeypatch):
     together = threading.Barrier(3, timeout=10)
     assert driver.plan_candidates(tg, int(0.4 * peak), alignment=64, max_chain=3) == [
         ("default", 3), (driver.NEAR_WHOLE, 3), (1.0, 3)]
+
+
+def test_window_time_counts_both_directions_at_the_links_duplex_rate():
+    """A window moving bytes both ways takes at least their sum over the duplex rate, the
+    direction rates alone when the duplex rate is unbounded (problem.bw_duplex = inf)."""
+    zero = np.zeros(2)
+    h2d, d2h = np.array([50e9, 50e9]), np.array([50e9, 0.0])  # window 0 both ways, window 1 one way
+    capped = types.SimpleNamespace(bw_h2d=55e9, bw_d2h=55e9, bw_duplex=100e9)
+    free = types.SimpleNamespace(bw_h2d=55e9, bw_d2h=55e9, bw_duplex=float("inf"))
+    assert window_times(zero, zero, h2d, d2h, capped) == pytest.approx([1.0, 50 / 55])
+    assert window_times(zero, zero, h2d, d2h, free) == pytest.approx([50 / 55, 50 / 55])

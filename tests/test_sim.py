@@ -124,6 +124,21 @@ def test_full_duplex_link_moves_both_directions_at_once():
     assert simulate(graph(), bandwidth=(BW, BW / 2)).step_time == pytest.approx(8 * MS)
 
 
+def test_both_directions_at_once_run_at_the_links_duplex_rate():
+    """With a duplex rate below the two directions' own rates added, each direction slows to its
+    share while the other copies too, and runs at its own rate again once alone."""
+    h = Hand()
+    h.transfer(Kind.RELOAD, 4)
+    h.transfer(Kind.OFFLOAD, 2)
+    mg = h.done()
+    # 1.5 GB/s in all for two 1 GB/s directions: each at 0.75 while both copy
+    res = simulate(mg, bandwidth={"h2d": BW, "d2h": BW, "duplex": 1.5 * BW})
+    assert ends(res)[1] == pytest.approx(2 / 0.75)  # 2 ms of d2h at 3/4 rate
+    # the reload did 2 ms of its 4 by then, at 3/4 rate, and the rest alone at its own
+    assert ends(res)[0] == pytest.approx(2 / 0.75 + (4 - 2))
+    assert simulate(mg, bandwidth={"h2d": BW, "d2h": BW}).step_time == pytest.approx(4 * MS)
+
+
 def test_two_streams_of_one_direction_share_its_bandwidth():
     def graph():
         h = Hand()
