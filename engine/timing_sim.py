@@ -18,8 +18,8 @@ StreamPool / WorkspacePool decides every launch, exactly as
 - Sharing. Vertices running at the same time on one *pool* share its rate
   equally (processor sharing): h2d and d2h are separate pools (full-duplex link,
   each direction at its own bandwidth, concurrently, both slowed to the link's
-  measured duplex rate while both copy: the cost model's duplex_bandwidth, about
-  50 GB/s each way on the H100 against 55 alone) or one pool when
+  measured duplex rate while both copy: the cost model's duplex_bandwidth, 89 GB/s
+  in all on the H100 against 55 each way alone) or one pool when
   ``duplex=False``; two h2d streams moving at once each get half the link. All
   compute streams of a device share one compute pool: a big kernel fills the
   GPU alone, so more compute streams give the loop more choice, not more speed.
