@@ -165,28 +165,26 @@ class HorizonWalk:
         if step[0] != TASK:
             return True
         for o in self.sched.outputs[step[1]]:
-            if self.pre[o] is None:
-                at = self._fit(o)
-                if at is None:
-                    return False
-                t = Tenancy(o, step=s)
-                t.pending = wait_for(self.gpu.alloc(at, self.size[o], t))
-                self.gpu.set_cost(t, self.pre_cost + s)
-                self.pre[o] = t
-                self.stats["reservations"] += 1
+            if self.pre[o] is None and not self._reserve(o, s, "reservations"):
+                return False
         if self.prefetch and step[1] not in self.sched.host:
+            # a prefetch: the reload may start once these bytes are free, not when the step
+            # before its reader frees some
             for x in self.sched.inputs[step[1]]:
-                if self._reloads_at(x):
-                    at = self._fit(x)
-                    if at is None:
-                        return False
-                    # a prefetch: the reload may start once these bytes are free, not when the
-                    # step before its reader frees some
-                    t = Tenancy(x, step=s)
-                    t.pending = wait_for(self.gpu.alloc(at, self.size[x], t))
-                    self.gpu.set_cost(t, self.pre_cost + s)
-                    self.pre[x] = t
-                    self.stats["reload_reservations"] += 1
+                if self._reloads_at(x) and not self._reserve(x, s, "reload_reservations"):
+                    return False
+        return True
+
+    def _reserve(self, v: int, s: int, counter: str) -> bool:
+        """Reserve free arena bytes for v, written at step s; False if none are free."""
+        at = self._fit(v)
+        if at is None:
+            return False
+        t = Tenancy(v, step=s)
+        t.pending = wait_for(self.gpu.alloc(at, self.size[v], t))
+        self.gpu.set_cost(t, self.pre_cost + s)
+        self.pre[v] = t
+        self.stats[counter] += 1
         return True
 
     def _reloads_at(self, x: int) -> bool:
