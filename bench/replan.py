@@ -33,7 +33,7 @@ from turnip.planners.host_update import host_update_candidates
 from turnip.bench.peers.common import Workload
 from turnip.bench.peers.isolated import resolve
 from turnip.bench.results import result_path, run_metadata
-from turnip.engine.timing_sim import simulate, transfer_bytes
+from turnip.engine.timing_sim import idle_by_wait, simulate, transfer_bytes
 from turnip.ir.budget import format_bytes, parse_budget
 from turnip.ir.plan import Plan
 from turnip.ir.step_file import load_step, save_step
@@ -125,7 +125,8 @@ def replan(step: Path, budgets: list[str], options: dict, host_update: str = "of
                              "unplanned_peak": peak, "eager_peak_allocated": eager_peak,
                              "eager_step_s": facts.get("eager_step_s"), "candidate": f"{plan.planner}#{k}/{walk}",
                              "planner_predicted_s": plan.predicted_time, "simulated_s": sim.step_time,
-                             "sim_compute_idle_s": sim.compute_idle, "bytes_h2d": moved_in, "bytes_d2h": moved_out,
+                             "sim_compute_idle_s": sim.compute_idle, "sim_idle_by_wait_s": idle_by_wait(mg, sim),
+                             "bytes_h2d": moved_in, "bytes_d2h": moved_out,
                              "recomputed": sum(1 for v in mg.taskgraph.vertices if v.recompute_of >= 0),
                              "arena_bytes": mg.arena_bytes, "cpu_bytes": mg.cpu_bytes,
                              "vertices": summary["vertices"], "plan_seconds": plan_s, "options": options})
@@ -198,6 +199,11 @@ def main(argv=None) -> int:
     path = out / f"replan_{rows[0]['model'] if rows else step.stem}.json"
     path.write_text(json.dumps({"benchmark": "replan", "step": str(step), **run_metadata(), "rows": rows}, indent=1))
     print(format_rows(rows))
+    for row in rows:
+        if row.get("picked"):
+            waits = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in list(row["sim_idle_by_wait_s"].items())[:4])
+            print(f"{row['budget']} {row['candidate']}: GPU idle {row['sim_compute_idle_s'] * 1e3:.1f} ms, "
+                  f"waiting on: {waits}")
     print(f"rows in {path}", file=sys.stderr)
     return 0
 

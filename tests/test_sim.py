@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 from turnip.engine import StallError
-from turnip.engine.timing_sim import simulate, step_floor
+from turnip.engine.timing_sim import idle_by_wait, simulate, step_floor
 from turnip.ir.memgraph import Edge, Kind, MemGraph, Place, Stream
 from turnip.ir.plan import Plan
 from turnip.ir.taskgraph import TaskGraph
@@ -107,6 +107,18 @@ def test_transfer_that_cannot_overlap_leaves_compute_idle():
     assert res.step_time == pytest.approx(10 * MS)
     assert res.compute_idle == pytest.approx(4 * MS)
     assert starts(res)[r] == 5
+
+
+def test_idle_time_is_attributed_to_what_the_next_compute_waited_for():
+    h = Hand()
+    c1 = h.compute(5)
+    r = h.transfer(Kind.RELOAD, 4, after=[c1])
+    h.compute(1, after=[r])
+    mg = h.done()
+    res = simulate(mg, bandwidth=BW)
+    idle = idle_by_wait(mg, res)
+    assert list(idle) == [f"data reload {mg.taskgraph.values[mg.vertices[r].value].kind.value}"]
+    assert sum(idle.values()) == pytest.approx(res.compute_idle) == pytest.approx(4 * MS)
 
 
 def test_full_duplex_link_moves_both_directions_at_once():
