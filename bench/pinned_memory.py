@@ -29,7 +29,6 @@ Needs a CUDA device. Writes bench/results/pinned_memory.json.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import statistics
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 from turnip.bench.models.sizes import make_workload
 from turnip.bench.peers.common import trainable
-from turnip.bench.results import result_path, run_metadata
+from turnip.bench.results import run_metadata, write_result
 from turnip.engine.cuda import CudaRuntime, pinned_bytes, unpin
 
 from turnip import engine, memgraph
@@ -156,9 +155,7 @@ def main(argv=None) -> int:
     if args.step:
         out["step"] = time_step(args.step, args.budget, args.rounds, args.steps)
         log.info("step medians: %s", {k: f"{v * 1e3:.1f} ms" for k, v in out["step"]["median_s"].items()})
-    path = result_path("pinned_memory.json")
-    path.write_text(json.dumps(out, indent=1))
-    log.info("results in %s", path)
+    write_result("pinned_memory.json", out)
     return 0
 
 

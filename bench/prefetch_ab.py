@@ -14,14 +14,13 @@ bench/results/prefetch_ab_<model>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 
 import torch
 from turnip.bench.models.sizes import make_workload
 from turnip.bench.peers.common import trainable
-from turnip.bench.results import result_path, run_metadata
+from turnip.bench.results import run_metadata, write_result
 from turnip.engine.timing_sim import simulate, transfer_bytes
 from turnip.ir.optimizer import CompiledOptimizer
 from turnip.memgraph.build import rebuild_ahead
@@ -87,9 +86,7 @@ def main(argv=None) -> int:
     out = {**run_metadata(), "benchmark": "prefetch_ab", "model": args.model, "budget": args.budget,
            "gpu_budget": compiled.plan.gpu_budget, "planner": compiled.plan.planner, "rounds": args.rounds,
            "rows": rows}
-    path = result_path(f"prefetch_ab_{args.model}.json")
-    path.write_text(json.dumps(out, indent=1))
-    log.info("results in %s", path)
+    write_result(f"prefetch_ab_{args.model}.json", out)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -20,6 +21,14 @@ def result_path(name: str) -> Path:
     folder = Path(os.environ.get("TURNIP_RESULTS", RESULTS_DIR))
     folder.mkdir(parents=True, exist_ok=True)
     return folder / name
+
+
+def write_result(name: str, doc: dict) -> Path:
+    """Write ``doc`` as JSON to result_path(name) and say where; the path."""
+    path = result_path(name)
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    logging.getLogger(__name__).info("results in %s", path)
+    return path
 
 
 def _commit() -> str:
