@@ -133,44 +133,6 @@ class SimResult:
 
 # -- durations ---------------------------------------------------------------------------------
 
-def idle_by_wait(mg: MemGraph, res: SimResult) -> dict[str, float]:
-    """Seconds the GPU's compute lanes sat idle in ``res`` (a simulation of ``mg``), by what the
-    compute unit after each gap waited for: its predecessor that finished last, named by edge
-    ("data", "memory") and vertex kind (with the moved value's kind: "data reload
-    optimizer_state"), or "host" where nothing it waited for ended during the gap (the launch).
-    The tail after a device's last compute unit (the last write-backs) is not counted, so the
-    values add up to compute_idle less that tail. A reading of where a plan loses time that the
-    step time alone does not give."""
-    graph = StaticGraph(mg)
-    span = {s.vertex: s for s in res.timeline}
-    end_of = [span[graph.head[graph.unit_of[v]]].end for v in range(len(mg.vertices))]
-    preds: list[list[tuple[int, str]]] = [[] for _ in mg.vertices]
-    for src, dst, kind in mg.edges:
-        preds[dst].append((src, kind.value))
-
-    def name(v: int, edge: str) -> str:
-        mv = mg.vertices[v]
-        value = mg.taskgraph.values[mv.value].kind.value if mv.kind is not Kind.COMPUTE and mv.value >= 0 else ""
-        return " ".join(x for x in (edge, mv.kind.value, value) if x)
-
-    idle: dict[str, float] = collections.defaultdict(float)
-    lanes = collections.defaultdict(list)
-    for s in res.timeline:
-        if s.stream.startswith("compute"):
-            lanes[s.stream.split(" ", 2)[-1] if "@" in s.stream else ""].append(s)
-    for spans in lanes.values():  # per device: its compute streams together
-        last = 0.0
-        for s in sorted(spans, key=lambda x: x.start):
-            if s.start > last + 1e-9:
-                unit = graph.units[graph.unit_of[s.vertex]]
-                inside = set(unit)
-                waits = [(end_of[p], p, edge) for v in unit for p, edge in preds[v] if p not in inside]
-                end, p, edge = max(waits, default=(0.0, -1, ""))
-                idle[name(p, edge) if p >= 0 and end > last + 1e-9 else "host"] += s.start - last
-            last = max(last, s.end)
-    return dict(sorted(idle.items(), key=lambda kv: -kv[1]))
-
-
 def link_bandwidths(costs: Any = None, bandwidth: Any = None) -> tuple[float, float]:
     """(h2d, d2h) bytes/s: ``bandwidth`` (one number, (h2d, d2h) or {"h2d":, "d2h":}), else the cost model's."""
     if bandwidth is None:
@@ -558,3 +520,43 @@ def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str
         host_per_vertex=host, timeline=timeline, launch_order=list(sched.launch_order),
         launched_at=[sim.launched_at[u] for u in graph.unit_of], records=records, keys=list(graph.keys),
         instances={k: n for k, n in enumerate(pool.sizes)})
+
+
+# -- reading a simulated step ------------------------------------------------------------------
+
+def idle_by_wait(mg: MemGraph, res: SimResult) -> dict[str, float]:
+    """Seconds the GPU's compute lanes sat idle in ``res`` (a simulation of ``mg``), by what the
+    compute unit after each gap waited for: its predecessor that finished last, named by edge
+    ("data", "memory") and vertex kind (with the moved value's kind: "data reload
+    optimizer_state"), or "host" where nothing it waited for ended during the gap (the launch).
+    The tail after a device's last compute unit (the last write-backs) is not counted, so the
+    values add up to compute_idle less that tail. A reading of where a plan loses time that the
+    step time alone does not give."""
+    graph = StaticGraph(mg)
+    span = {s.vertex: s for s in res.timeline}
+    end_of = [span[graph.head[graph.unit_of[v]]].end for v in range(len(mg.vertices))]
+    preds: list[list[tuple[int, str]]] = [[] for _ in mg.vertices]
+    for src, dst, kind in mg.edges:
+        preds[dst].append((src, kind.value))
+
+    def name(v: int, edge: str) -> str:
+        mv = mg.vertices[v]
+        value = mg.taskgraph.values[mv.value].kind.value if mv.kind is not Kind.COMPUTE and mv.value >= 0 else ""
+        return " ".join(x for x in (edge, mv.kind.value, value) if x)
+
+    idle: dict[str, float] = collections.defaultdict(float)
+    lanes = collections.defaultdict(list)
+    for s in res.timeline:
+        if s.stream.startswith("compute"):
+            lanes[s.stream.split(" ", 2)[-1] if "@" in s.stream else ""].append(s)
+    for spans in lanes.values():  # per device: its compute streams together
+        last = 0.0
+        for s in sorted(spans, key=lambda x: x.start):
+            if s.start > last + 1e-9:
+                unit = graph.units[graph.unit_of[s.vertex]]
+                inside = set(unit)
+                waits = [(end_of[p], p, edge) for v in unit for p, edge in preds[v] if p not in inside]
+                end, p, edge = max(waits, default=(0.0, -1, ""))
+                idle[name(p, edge) if p >= 0 and end > last + 1e-9 else "host"] += s.start - last
+            last = max(last, s.end)
+    return dict(sorted(idle.items(), key=lambda kv: -kv[1]))

@@ -140,10 +140,7 @@ def rebuild_ahead(mg: MemGraph, prefetch: bool) -> MemGraph:
     comparison on one plan (bench/prefetch_ab.py); what compile adds (optimizer, initial state,
     names) is copied over."""
     order = [mv.task_vertex for mv in (mg.vertices[v] for v in mg.serial) if mv.kind is Kind.COMPUTE]
-    segment_size = None if mg.taskgraph.device == "cuda" else 1
-    if mg.segments and max(len(seg) for seg in mg.segments) <= 1:
-        segment_size = 1
-    new = _walk(mg.taskgraph, order, mg.plan, mg.alignment, False, segment_size, prefetch)
+    new = _walk(mg.taskgraph, order, mg.plan, mg.alignment, False, "auto", prefetch)
     new.initial_state, new.names, new.device = dict(mg.initial_state), dict(mg.names), mg.device
     new.stats.update((k, mg.stats[k]) for k in ("unplanned_peak", "loss_blocks") if k in mg.stats)
     return new

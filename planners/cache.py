@@ -131,7 +131,7 @@ def planner_source_digest() -> str:
 def cost_facts(costs: CostModel, device_type: str) -> dict:
     """What of the cost model the planner reads besides vertex times: bandwidths and host cost."""
     return {"h2d": float(costs.h2d_bandwidth), "d2h": float(costs.d2h_bandwidth),
-            "duplex": float(getattr(costs, "duplex_bandwidth", costs.h2d_bandwidth + costs.d2h_bandwidth)),
+            "duplex": float(costs.duplex_bandwidth),
             "host_per_vertex": float(costs.host_per_vertex_on(device_type)),
             "spec": getattr(getattr(costs, "spec", None), "name", None), "measured": bool(getattr(costs, "measure", False))}
 

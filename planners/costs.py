@@ -22,6 +22,7 @@ import math
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -303,7 +304,7 @@ class CostModel:
         """Bytes the engine's compute stream keeps beside arena and op workspace: the cuBLAS and
         cuBLASLt workspaces a new stream gets on its first matmul (measured), and SMALL_BLOCKS for
         the step's own small blocks; 0 off CUDA."""
-        if not self.measure or not self.device.startswith("cuda"):
+        if not self._measures_device:
             return 0
         if self._reserve is None:
             self._reserve = measure.measure_stream_reserve(self.device)
@@ -322,22 +323,28 @@ class CostModel:
         """Bytes/s the link moves in all when both directions copy at once (measured on CUDA, else
         the spec's; at most the two directions' rates added)."""
         both = self.h2d_bandwidth + self.d2h_bandwidth
-        if not self.measure or not self.device.startswith("cuda"):
+        if not self._measures_device:
             return min(self.spec.duplex or both, both)
-        cache = self.cache
-        if "duplex" not in cache.bandwidth:
-            cache.bandwidth["duplex"] = measure.measure_duplex(self.device)
-            cache.save()
-        return min(cache.bandwidth["duplex"], both)
+        return min(self._cached_rate("duplex", lambda: {"duplex": measure.measure_duplex(self.device)}), both)
 
     def _bandwidth(self, direction: str) -> float:
-        if not self.measure or not self.device.startswith("cuda"):
+        if not self._measures_device:
             return getattr(self.spec, direction)
+        return self._cached_rate(direction, lambda: measure.measure_bandwidth(self.device))
+
+    @property
+    def _measures_device(self) -> bool:
+        """Rates and reserves come from measurements on this CUDA device (else from the spec)."""
+        return self.measure and self.device.startswith("cuda")
+
+    def _cached_rate(self, key: str, measured: Callable[[], dict[str, float]]) -> float:
+        """The rate cached under ``key`` beside the link bandwidths, measured (and the cache saved)
+        the first time it is asked for; ``measured`` returns the rates it measured by key."""
         cache = self.cache
-        if direction not in cache.bandwidth:
-            cache.bandwidth.update(measure.measure_bandwidth(self.device))
+        if key not in cache.bandwidth:
+            cache.bandwidth.update(measured())
             cache.save()
-        return cache.bandwidth[direction]
+        return cache.bandwidth[key]
 
     @property
     def host_per_vertex(self) -> float:
@@ -358,13 +365,10 @@ class CostModel:
         """Parameters per second the host's cores update in a CPU optimizer step while the step's
         copies run (measured on CUDA cost models that measure, cached with the link bandwidths;
         else the spec's figure)."""
-        if not self.measure or not self.device.startswith("cuda"):
+        if not self._measures_device:
             return self.spec.host_update_rate
-        cache = self.cache
-        if "host_update_beside_copies" not in cache.bandwidth:
-            cache.bandwidth["host_update_beside_copies"] = measure.measure_host_update(self.device)
-            cache.save()
-        return cache.bandwidth["host_update_beside_copies"]
+        key = "host_update_beside_copies"
+        return self._cached_rate(key, lambda: {key: measure.measure_host_update(self.device)})
 
     def transfer_time(self, nbytes: int, direction: str) -> float:
         return nbytes / (self.h2d_bandwidth if direction == "h2d" else self.d2h_bandwidth)

@@ -83,7 +83,7 @@ def make_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, 
     model.setdefault("alignment", 256 if tg.device == "cuda" else 64)
     # the host cost is the engine's that will run the graph, so the graph's device picks it
     return build_problem(tg, int(gpu_budget), cpu_budget, bw_h2d=costs.h2d_bandwidth, bw_d2h=costs.d2h_bandwidth,
-                         bw_duplex=getattr(costs, "duplex_bandwidth", None),
+                         bw_duplex=costs.duplex_bandwidth,
                          host_per_vertex=costs.host_per_vertex_on(tg.device), **model)
 
 
