@@ -18,7 +18,9 @@ import argparse
 import collections
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from turnip.bench.models.sizes import make_workload
@@ -53,6 +55,20 @@ def live_at_peak(snapshot: dict, allocated_before: int | None = None) -> tuple[i
             if total > peak:
                 peak, at_peak = total, list(live.values())
     return peak, at_peak
+
+
+def recorded(run: Callable[[], Any]) -> tuple[int, dict]:
+    """(bytes allocated before, the caching allocator's snapshot) of ``run()`` recorded with its
+    allocation history, the device synchronized before and after."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        run()
+        torch.cuda.synchronize()
+        return before, torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def planned_peak(mg, count: int = 15) -> dict:
@@ -151,13 +167,8 @@ def main(argv=None) -> int:
     mg = memgraph.compile(workload.model, workload.loss_fn, batch, optimizer=optimizer, budget=budget, device="cuda")
     engine.run(mg, batch)
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-    engine.run(mg, batch)
-    torch.cuda.synchronize()
-    snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+    before, snapshot = recorded(lambda: engine.run(mg, batch))
     arena = mg.arena_bytes
     blocks = [b for b in snapshot["segments"] for b in b["blocks"] if b["state"] == "active_allocated"]
     persistent = sorted((b["size"] for b in blocks if b["size"] != arena and b["size"] < arena), reverse=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 from turnip.bench.models.sizes import make_workload
-from turnip.bench.peers.common import trainable
+from turnip.bench.peers.common import device_timed_steps, trainable
 from turnip.bench.results import run_metadata, write_result
 from turnip.engine.cuda import CudaRuntime, pinned_bytes, unpin
 
@@ -117,16 +117,7 @@ def time_step(model: str, budget: str, rounds: int, steps: int, warmup: int = 2)
         for kind in times:
             mg.release()
             mg.runtime = CudaRuntime(mg, huge_pages=kind == "register-hugepage")
-            for k in range(warmup + steps):
-                torch.cuda.synchronize()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                engine.run(mg, batch)
-                end.record()
-                torch.cuda.synchronize()
-                if k >= warmup:
-                    times[kind].append(start.elapsed_time(end) / 1e3)
+            times[kind] += device_timed_steps(lambda: engine.run(mg, batch), steps, warmup)
             log.info("%s %s: %s ms", model, kind, " ".join(f"{t * 1e3:.1f}" for t in times[kind][-steps:]))
     mg.release()
     return {"model": model, "budget": budget, "gpu_budget": mg.plan.gpu_budget, "pinned_bytes": mg.cpu_bytes,

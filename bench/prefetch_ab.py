@@ -19,7 +19,7 @@ import statistics
 
 import torch
 from turnip.bench.models.sizes import make_workload
-from turnip.bench.peers.common import trainable
+from turnip.bench.peers.common import device_timed_steps, trainable
 from turnip.bench.results import run_metadata, write_result
 from turnip.engine.timing_sim import simulate, transfer_bytes
 from turnip.ir.optimizer import CompiledOptimizer
@@ -29,20 +29,6 @@ from turnip.planners.costs import CostModel
 from turnip import engine, memgraph
 
 log = logging.getLogger(__name__)
-
-
-def timed_steps(mg, batch, steps: int, warmup: int) -> list[float]:
-    times = []
-    for k in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        engine.run(mg, batch)
-        end.record()
-        torch.cuda.synchronize()
-        if k >= warmup:
-            times.append(start.elapsed_time(end) / 1e3)
-    return times
 
 
 def main(argv=None) -> int:
@@ -76,7 +62,7 @@ def main(argv=None) -> int:
             for name, mg in builds.items()}
     for _ in range(args.rounds):
         for name, mg in builds.items():
-            rows[name]["steps_s"] += timed_steps(mg, batch, args.steps, args.warmup)
+            rows[name]["steps_s"] += device_timed_steps(lambda mg=mg: engine.run(mg, batch), args.steps, args.warmup)
             mg.release()  # one arena and one pinned storage at a time
             log.info("%s: %s ms", name, " ".join(f"{t * 1e3:.1f}" for t in rows[name]["steps_s"][-args.steps:]))
     for name, row in rows.items():

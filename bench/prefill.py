@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from turnip.bench.memory_audit import frame_of, live_at_peak
+from turnip.bench.memory_audit import frame_of, live_at_peak, recorded
 from turnip.bench.models.llama import LLAMA2_7B
 from turnip.bench.options import planner_options
 from turnip.bench.peers import zero_inference
@@ -232,16 +232,11 @@ def beside_arena(mg, ids: torch.Tensor, runs: int = 1) -> dict:
     """``runs`` steps recorded by the caching allocator: their peak and the blocks live then other
     than the arena, largest first, with the frame that allocated each (bench/memory_audit.py's
     replay). The row's peak_allocated counts these steps too."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-    try:
+    def run() -> None:
         for _ in range(runs):
             engine.run(mg, ids)
-        torch.cuda.synchronize()
-        snapshot = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+
+    before, snapshot = recorded(run)
     peak, at_peak = live_at_peak(snapshot, before)
     blocks = sorted(({"bytes": e["size"], "where": frame_of(e)} for e in at_peak), key=lambda b: -b["bytes"])
     return {"allocated_before": before, "arena_bytes": mg.arena_bytes, "gpu_budget": mg.plan.gpu_budget,

@@ -259,6 +259,24 @@ def timed_steps(result: PeerResult, step: Callable[[], torch.Tensor], steps: int
             log.warning("%s: non-finite loss at step %d", result.system, i)
 
 
+def device_timed_steps(step: Callable[[], Any], steps: int, warmup: int) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step`` after ``warmup`` untimed ones, between CUDA
+    events on the current stream, the device idle before each. Unlike timed_steps (wall time) this
+    leaves out the host's work before the first launch and after the last; the A/B benches
+    (bench/prefetch_ab.py, bench/pinned_memory.py) time both sides of a comparison with it."""
+    times = []
+    for k in range(warmup + steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        if k >= warmup:
+            times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
 def guarded(result: PeerResult, device, body: Callable[[], None], limit_s: float | None = None) -> PeerResult:
     """Run ``body`` (which fills ``result``), turning OOM, time limits and errors into the result's status.
 
