@@ -47,6 +47,7 @@ from turnip.bench.options import planner_options
 from turnip.bench.peers import zero_inference
 from turnip.bench.peers.common import OK, TIMEOUT, release_memory, sync, unavailable
 from turnip.bench.peers.spawned import call_spawned
+from turnip.bench.profile_step import kernel_profile
 from turnip.bench.results import result_path, run_metadata
 from turnip.engine.timing_sim import step_floor, transfer_bytes
 from turnip.ir.budget import BudgetError, check_budget, format_bytes, parse_budget
@@ -77,6 +78,7 @@ class PrefillConfig:
     time_limit: float | None = None  # seconds for the whole command; None: no limit
     tag: str = ""  # suffix of the JSON's name: split runs of one command keep apart files
     audit: bool = False  # turnip rows: what is live beside the arena at the peaks of the first two runs and of a later one
+    profile: bool = False  # eager and turnip rows: one more step under torch.profiler, GPU time per ATen op
 
 
 def llama(tiny: bool, device: str = "cpu") -> torch.nn.Module:
@@ -180,6 +182,9 @@ def run_eager(model, ids: torch.Tensor, cfg: PrefillConfig) -> tuple[dict, torch
         with torch.no_grad():
             times, out = _timed(lambda: fn(model, on_device), cfg.steps, cfg.warmup, cfg.device)
         row.update(status="ok", step_s=statistics.median(times), steps_s=times, peak_allocated=_peak(cfg.device))
+        if cfg.profile and cfg.device.startswith("cuda"):
+            with torch.no_grad():
+                row["kernels"] = kernel_profile(lambda: fn(model, on_device))
         return row, out.float().cpu()
     except torch.OutOfMemoryError as exc:
         row.update(status="oom", error=str(exc)[:300])
@@ -217,6 +222,8 @@ def run_turnip(model, ids: torch.Tensor, budget: str, cfg: PrefillConfig,
         compare(row, logits, reference)
         if audit:
             row["beside_arena_at_peak"] = beside_arena(mg, ids)
+        if cfg.profile and cfg.device.startswith("cuda"):
+            row["kernels"] = kernel_profile(lambda: engine.run(mg, ids))
     except memgraph.InfeasibleBudget as exc:
         row.update(status="infeasible", error=str(exc)[:400])
     except torch.OutOfMemoryError as exc:
@@ -456,11 +463,14 @@ def main(argv=None) -> int:
     parser.add_argument("--audit", action="store_true", help="turnip rows also list the CUDA blocks live beside "
                         "the arena at the peak of the first two runs and of one more step after timing "
                         "(recorded by the caching allocator)")
+    parser.add_argument("--profile", action="store_true", help="eager and turnip rows also run one step under "
+                        "torch.profiler: GPU milliseconds and calls per ATen op, kernels, GPU busy time (CUDA only)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     cfg = PrefillConfig(tiny=args.tiny, steps=args.steps, warmup=args.warmup, time_limit=args.time_limit,
-                        tag=args.tag, systems=[s for s in args.systems.split(",") if s], audit=args.audit)
+                        tag=args.tag, systems=[s for s in args.systems.split(",") if s], audit=args.audit,
+                        profile=args.profile)
     unknown = [s for s in cfg.systems if s not in SYSTEMS]
     if unknown:
         parser.error(f"unknown systems {unknown} (known: {', '.join(SYSTEMS)})")

@@ -60,7 +60,7 @@ def breakdown(mg, trace_file: Path) -> dict:
 
 def kernel_profile(step, count: int = 30) -> dict:
     """Kernel time of one step from torch.profiler (CUPTI), independent of how the host launched it:
-    GPU milliseconds per ATen op (self time), their sum, the number of kernels, and the step's wall
+    GPU milliseconds and calls per ATen op (self time; the ``count`` costliest), their sum, the number of kernels, and the step's wall
     time under the profiler. Sum of kernels well below wall = the GPU waited on the host."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -71,14 +71,16 @@ def kernel_profile(step, count: int = 30) -> dict:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    rows = [(e.key, e.self_device_time_total / 1e3) for e in prof.key_averages() if e.key.startswith("aten::")]
+    rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.key.startswith("aten::")]
     rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])[:count]
     busy, end = 0.0, float("-inf")
     for start, stop in sorted((e.time_range.start, e.time_range.end) for e in kernels):
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
     return {"wall_ms": wall * 1e3, "kernel_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1e3,
-            "gpu_busy_ms": busy / 1e3, "kernels": len(kernels), "ops_ms": dict(rows)}
+            "gpu_busy_ms": busy / 1e3, "kernels": len(kernels), "ops_ms": {op: ms for op, ms, _ in rows},
+            "ops_calls": {op: calls for op, _, calls in rows}}
 
 
 def top_workspace(mg, count: int = 10) -> list[dict]:
