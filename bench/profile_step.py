@@ -60,7 +60,8 @@ def breakdown(mg, trace_file: Path) -> dict:
 
 def kernel_profile(step, count: int = 30) -> dict:
     """Kernel time of one step from torch.profiler (CUPTI), independent of how the host launched it:
-    GPU milliseconds and calls per ATen op (self time; the ``count`` costliest), their sum, the number of kernels, and the step's wall
+    GPU milliseconds and calls per ATen op (self time; the ``count`` costliest; kernels replayed in a
+    CUDA graph have no op) and per kernel name, their sum, the number of kernels, and the step's wall
     time under the profiler. Sum of kernels well below wall = the GPU waited on the host."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -74,13 +75,18 @@ def kernel_profile(step, count: int = 30) -> dict:
     rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
             if e.key.startswith("aten::")]
     rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])[:count]
+    by_kernel: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        by_kernel[e.name[:120]][0] += e.time_range.elapsed_us() / 1e3
+        by_kernel[e.name[:120]][1] += 1
+    top_kernels = dict(sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:count])
     busy, end = 0.0, float("-inf")
     for start, stop in sorted((e.time_range.start, e.time_range.end) for e in kernels):
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
     return {"wall_ms": wall * 1e3, "kernel_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1e3,
             "gpu_busy_ms": busy / 1e3, "kernels": len(kernels), "ops_ms": {op: ms for op, ms, _ in rows},
-            "ops_calls": {op: calls for op, _, calls in rows}}
+            "ops_calls": {op: calls for op, _, calls in rows}, "top_kernels_ms_calls": top_kernels}
 
 
 def top_workspace(mg, count: int = 10) -> list[dict]:
