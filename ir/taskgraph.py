@@ -311,3 +311,27 @@ class TaskGraph:
             initial_state=dict(self.initial_state),
             state_names=dict(self.state_names),
         )
+
+
+def drop_unproduced(tg: TaskGraph, keep: frozenset[int] | set[int] = frozenset()) -> TaskGraph:
+    """``tg`` with its values renumbered, leaving out intermediates nothing produces any more (a
+    rewrite's replaced results; ``keep`` names any to keep), so the planner never sees a value
+    without a producer."""
+    produced = {o for vertex in tg.vertices for o in vertex.outputs if o >= 0}
+    live = [val for val in tg.values if val.kind is not ValueKind.INTERMEDIATE or val.id in produced or val.id in keep]
+    new_id = {val.id: i for i, val in enumerate(live)}
+
+    def ref(r: TensorRef) -> TensorRef:
+        return dataclasses.replace(r, value=new_id[r.value])
+
+    values = [dataclasses.replace(val, id=new_id[val.id]) for val in live]
+    vertices = [dataclasses.replace(vx, args=map_refs(vx.args, ref), kwargs=map_refs(vx.kwargs, ref),
+                                    outputs=tuple(new_id[o] if o >= 0 else o for o in vx.outputs),
+                                    copy_in=tuple((new_id[a], new_id[b]) for a, b in vx.copy_in))
+                for vx in tg.vertices]
+    return dataclasses.replace(
+        tg, values=values, vertices=vertices, outputs={k: new_id[x] for k, x in tg.outputs.items()},
+        bindings={new_id[a]: new_id[b] for a, b in tg.bindings.items()},
+        batch_inputs=[new_id[x] for x in tg.batch_inputs],
+        initial_state={new_id[x]: t for x, t in tg.initial_state.items()},
+        state_names={name: new_id[x] for name, x in tg.state_names.items()})

@@ -30,7 +30,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind, Vertex, map_refs
+from turnip.ir.taskgraph import TaskGraph, TensorRef, Vertex, drop_unproduced
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def split_loss_head(tg: TaskGraph, k: int) -> TaskGraph:
                            recompute_of=vertex.recompute_of, copy_in=vertex.copy_in)
         if vertex.id in backward_at:
             backward_at[vertex.id].backward()
-    out = _drop_unproduced(out, keep=keep)
+    out = drop_unproduced(out, keep=keep)
     out.validate()
     for head in heads:
         log.info("split a loss head (%d x %d logits) into %d row blocks", head.rows, head.vocab,
@@ -342,24 +342,3 @@ def _sum_into(w: _Writer, like: Vertex, parts: list[int], target: int) -> None:
         w.op(like, "aten::clone", (w.dense(acc),), outputs=(target,))
 
 
-def _drop_unproduced(tg: TaskGraph, keep: set[int]) -> TaskGraph:
-    """Renumber the values, leaving out intermediates nothing produces any more (the unsplit
-    head's), so the planner never sees a value without a producer."""
-    produced = {o for vertex in tg.vertices for o in vertex.outputs if o >= 0}
-    live = [val for val in tg.values if val.kind is not ValueKind.INTERMEDIATE or val.id in produced or val.id in keep]
-    new_id = {val.id: i for i, val in enumerate(live)}
-
-    def ref(r: TensorRef) -> TensorRef:
-        return dataclasses.replace(r, value=new_id[r.value])
-
-    values = [dataclasses.replace(val, id=new_id[val.id]) for val in live]
-    vertices = [dataclasses.replace(vx, args=map_refs(vx.args, ref), kwargs=map_refs(vx.kwargs, ref),
-                                    outputs=tuple(new_id[o] if o >= 0 else o for o in vx.outputs),
-                                    copy_in=tuple((new_id[a], new_id[b]) for a, b in vx.copy_in))
-                for vx in tg.vertices]
-    return dataclasses.replace(
-        tg, values=values, vertices=vertices, outputs={k: new_id[x] for k, x in tg.outputs.items()},
-        bindings={new_id[a]: new_id[b] for a, b in tg.bindings.items()},
-        batch_inputs=[new_id[x] for x in tg.batch_inputs],
-        initial_state={new_id[x]: t for x, t in tg.initial_state.items()},
-        state_names={name: new_id[x] for name, x in tg.state_names.items()})

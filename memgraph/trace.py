@@ -42,6 +42,7 @@ from turnip.memgraph.constant_checks import eager_answers
 from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
 from turnip.memgraph.optim import UpdateEmitter, initial_states, spec_from_optimizer
 from turnip.memgraph.half_width import halve_frozen_casts
+from turnip.memgraph.concat import write_concats_in_place
 from turnip.memgraph.reuse import donate_dying_inputs
 from turnip.memgraph.split import split_loss_head
 
@@ -539,6 +540,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     if not backward:
         for name, node in zip(marks["outputs"], out_node.args[0], strict=True):
             tg.outputs[name] = reader.dense_value(reader.template(node), phase="forward")
+        tg = write_concats_in_place(tg)
         halve_frozen_casts(tg)
         tg.validate()
         log.info("traced %d vertices, %d values (forward only)", len(tg.vertices), len(tg.values))
@@ -560,6 +562,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
                           fused=device.type == "cuda" if fused_optimizer is None else fused_optimizer)
     if loss_blocks is not None and loss_blocks >= 2:
         tg = split_loss_head(tg, loss_blocks)
+    tg = write_concats_in_place(tg)
     halve_frozen_casts(tg)
     if donate:
         donate_dying_inputs(tg)
