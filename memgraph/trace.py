@@ -542,6 +542,8 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
             tg.outputs[name] = reader.dense_value(reader.template(node), phase="forward")
         tg = write_concats_in_place(tg)
         halve_frozen_casts(tg)
+        if donate:
+            donate_dying_inputs(tg)
         tg.validate()
         log.info("traced %d vertices, %d values (forward only)", len(tg.vertices), len(tg.values))
         return tg
