@@ -100,3 +100,30 @@ def test_what_a_forward_cannot_take_is_refused(gpt):
     with pytest.raises(UnsupportedFeature, match="must return a tensor"):
         memgraph.compile(model, lambda m, b: None, batches[0], device="cpu", backward=False, verbose=False,
                          cache=False)
+
+
+def test_a_size_budget_that_holds_the_step_undonated_skips_buffer_donation(gpt):
+    """Donation trades kernel time for memory (memgraph/compile.py, undonated_if_it_fits): a forward
+    whose size budget holds it whole without donation is not donated; a tighter one is, and both
+    give eager's outputs."""
+    model, batches = gpt
+
+    def donated_ops(mg):
+        return [v.op for v in mg.taskgraph.vertices if v.copy_in and v.op.endswith(".out")]
+
+    fitted = memgraph.compile(model, last_and_all, batches[0], device="cpu", backward=False, verbose=False,
+                              cache=False)
+    assert donated_ops(fitted)  # budget None: the donated step's own peak
+    roomy = memgraph.compile(model, last_and_all, batches[0], budget=f"{4 * fitted.stats['unplanned_peak']}B",
+                             device="cpu", backward=False, verbose=False, cache=False)
+    assert donated_ops(roomy) == []
+    assert roomy.stats["unplanned_peak"] >= fitted.stats["unplanned_peak"]
+    tight = memgraph.compile(model, last_and_all, batches[0], budget=f"{fitted.stats['unplanned_peak']}B", device="cpu",
+                             backward=False, verbose=False, cache=False)
+    if roomy.stats["unplanned_peak"] > fitted.stats["unplanned_peak"]:
+        assert donated_ops(tight)  # donation is what lets it fit whole
+    with torch.no_grad():
+        want = last_and_all(model, batches[0])
+    for mg in (roomy, tight):
+        got = engine.run(mg, batches[0])
+        assert torch.equal(got["output:last"], want["last"]) and torch.equal(got["output:logits"], want["logits"])
