@@ -134,3 +134,19 @@ def test_a_forward_through_rewritten_cats_is_bitwise_like_eager(budget):
     assert sum(v.op == "aten::neg.out" for v in mg.taskgraph.vertices) == 3
     got = engine.run(mg, x)["output"]
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("budget", [None, 0.5])
+def test_training_through_rewritten_cats_on_cuda_matches_eager(budget):
+    torch.manual_seed(0)
+    model = Rotary(width=256, layers=3).cuda()
+    data = [b.repeat(16, 8).cuda() for b in batches()]
+    want_losses, want_state = eager_steps(model, loss_fn, data, OPTIMIZERS["adamw"])
+    mg = memgraph.compile(model, loss_fn, data[0], optimizer=OPTIMIZERS["adamw"](trainable(model)), budget=budget,
+                          device="cuda", cache=False)
+    assert any(v.op == "aten::neg.out" for v in mg.taskgraph.vertices)
+    torch.manual_seed(123)
+    losses = [engine.run(mg, b)["loss"] for b in data]
+    torch.testing.assert_close(torch.stack(losses).cpu(), torch.stack(want_losses).cpu(), rtol=1e-5, atol=1e-6)
+    assert_same_state(mg.state_dict(), want_state, exact=False)
