@@ -137,11 +137,11 @@ def test_a_forward_through_rewritten_cats_is_bitwise_like_eager(budget):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("budget", [None, 0.5])
+@pytest.mark.parametrize("budget", [None, 0.6])
 def test_training_through_rewritten_cats_on_cuda_matches_eager(budget):
     torch.manual_seed(0)
-    model = Rotary(width=256, layers=3).cuda()
-    data = [b.repeat(16, 8).cuda() for b in batches()]
+    model = Rotary(width=2048, layers=3).cuda()  # large enough that 60% is above the streams' own workspace
+    data = [b.repeat(16, 64).cuda() for b in batches()]
     want_losses, want_state = eager_steps(model, loss_fn, data, OPTIMIZERS["adamw"])
     mg = memgraph.compile(model, loss_fn, data[0], optimizer=OPTIMIZERS["adamw"](trainable(model)), budget=budget,
                           device="cuda", cache=False)
