@@ -151,6 +151,21 @@ def test_both_directions_at_once_run_at_the_links_duplex_rate():
     assert simulate(mg, bandwidth={"h2d": BW, "d2h": BW}).step_time == pytest.approx(4 * MS)
 
 
+def test_the_floor_with_a_duplex_rate_bounds_what_both_directions_move_together():
+    h = Hand()
+    h.transfer(Kind.RELOAD, 4)
+    h.transfer(Kind.OFFLOAD, 4)
+    mg = h.done()
+    capped = {"h2d": BW, "d2h": BW, "duplex": 1.5 * BW}
+    floor = step_floor(mg, bandwidth=capped)
+    assert floor["floor"] == pytest.approx(4 * MS)  # each direction alone
+    assert floor["both_ways"] == pytest.approx(8 / 1.5 * MS)  # 8 ms of one-way bytes at 1.5 ms per ms
+    assert floor["floor_both_ways"] == pytest.approx(8 / 1.5 * MS)
+    assert simulate(mg, bandwidth=capped).step_time >= floor["floor_both_ways"] * (1 - 1e-9)
+    uncapped = step_floor(mg, bandwidth=BW)
+    assert uncapped["both_ways"] == 0.0 and uncapped["floor_both_ways"] == uncapped["floor"]
+
+
 def test_two_streams_of_one_direction_share_its_bandwidth():
     def graph():
         h = Hand()

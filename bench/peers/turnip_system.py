@@ -77,6 +77,9 @@ def floor_and_sim(mg, device, eager_step_s: float | None, sim_trace: Path | None
         compute, basis = eager_compute, "eager step x recompute share (no link on the CPU)"
         link = (None, None)
     parts = [x for x in (compute, *link) if x is not None]
+    if is_cuda(device):  # both directions at once share the link's duplex rate (measured on CUDA only)
+        out.update(floor_both_ways_link_s=fl["both_ways"],
+                   floor_with_duplex_s=max([*parts, fl["both_ways"]]) if parts else None)
     out.update(floor_s=max(parts) if parts else None, floor_compute_s=compute, floor_h2d_s=link[0],
                floor_d2h_s=link[1], floor_basis=basis, floor_compute_eager_s=eager_compute,
                floor_compute_model_s=fl["compute"], recompute_vertices=total - original)
