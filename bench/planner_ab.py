@@ -1,0 +1,81 @@
+"""Two sets of planner options on a device: one bench model compiled with each, run alternately.
+
+    python -m turnip.bench.planner_ab --model gpt1.3b --budget 9297220096 --a depth=3 --b depth=5
+
+A planner option that moves the simulated step (read offline from an exported step with
+``python -m turnip.bench.replan plan``) is only worth a default once a device agrees, and a step's
+time varies more between calls (machines) than most options move it. This compiles the model's
+step once with options A and once with options B (each ``--a``/``--b`` a compile planner option,
+KEY=VALUE, repeatable), and times the two MemGraphs alternately on one device, each beside its
+simulated step and the bytes it moves. Needs a CUDA device. Writes
+bench/results/planner_ab_<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+
+import torch
+from turnip.bench.models.sizes import make_workload
+from turnip.bench.options import planner_options
+from turnip.bench.peers.common import device_timed_steps, trainable
+from turnip.bench.results import run_metadata, write_result
+from turnip.engine.timing_sim import simulate, transfer_bytes
+from turnip.planners.costs import CostModel
+
+from turnip import engine, memgraph
+
+log = logging.getLogger(__name__)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m turnip.bench.planner_ab", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="gpt1.3b")
+    ap.add_argument("--budget", default="0.25", help="compile's budget: bytes, a size, or a fraction")
+    ap.add_argument("--a", action="append", default=[], metavar="KEY=VALUE", help="planner option of side A")
+    ap.add_argument("--b", action="append", default=[], metavar="KEY=VALUE", help="planner option of side B")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the two MemGraphs, alternating")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per MemGraph and round")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per MemGraph and round")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    if not torch.cuda.is_available():
+        raise SystemExit("planner_ab needs a CUDA device")
+    sides = {"A": planner_options(args.a), "B": planner_options(args.b)}
+    if sides["A"] == sides["B"]:
+        raise SystemExit(f"--a and --b give the same options ({sides['A']}): nothing to compare")
+    workload = make_workload(args.model)
+    batch = workload.batch_on("cuda")
+    budget = int(args.budget) if args.budget.isdigit() else args.budget
+    costs = CostModel(device="cuda")
+    builds, rows = {}, {}
+    for name, options in sides.items():
+        optimizer = workload.optimizer(trainable(workload.model))
+        mg = memgraph.compile(workload.model, workload.loss_fn, batch, optimizer=optimizer, budget=budget,
+                              device="cuda", verbose=False, cache=False, **options)
+        mg.release()  # one arena and one pinned storage at a time
+        builds[name] = mg
+        moved_in, moved_out = transfer_bytes(mg)
+        rows[name] = {"options": options, "planner": mg.plan.planner, "simulated_s": simulate(mg, costs, backend="cuda").step_time,
+                      "bytes_h2d": moved_in, "bytes_d2h": moved_out, "compile_s": mg.stats.get("compile_seconds"),
+                      "steps_s": []}
+    for _ in range(args.rounds):
+        for name, mg in builds.items():
+            rows[name]["steps_s"] += device_timed_steps(lambda mg=mg: engine.run(mg, batch), args.steps, args.warmup)
+            mg.release()
+            log.info("%s: %s ms", name, " ".join(f"{t * 1e3:.1f}" for t in rows[name]["steps_s"][-args.steps:]))
+    for name, row in rows.items():
+        row["median_s"] = statistics.median(row["steps_s"])
+        log.info("%s %s: median %.1f ms, simulated %.1f ms, %.2f GiB in, %.2f GiB out", name, row["options"],
+                 row["median_s"] * 1e3, row["simulated_s"] * 1e3, row["bytes_h2d"] / 2**30, row["bytes_d2h"] / 2**30)
+    out = {**run_metadata(), "benchmark": "planner_ab", "model": args.model, "budget": args.budget,
+           "gpu_budget": builds["A"].plan.gpu_budget, "rounds": args.rounds, "rows": rows}
+    write_result(f"planner_ab_{args.model}.json", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
