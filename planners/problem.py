@@ -28,9 +28,17 @@ def default_windows(n: int) -> int:
     return int(min(160, max(2, n // 8)))
 
 
+# How many recomputations deep a value's candidate need times go (a value recomputed for a value
+# recomputed for ...). 5 rather than 3: on the H100 export of gpt1.3b at 25% of eager's peak the
+# greedy plan simulates at 340.0 ms against 359.7 and gpt350m's at 180.7 against 200.3 (`python -m
+# turnip.bench.replan plan ... --planner-option depth=5`); on the H100 the two compiled steps ran
+# alternately at 374.9 and 435.8 ms (bench/results/h100/planner_ab_gpt1.3b_25.json).
+RECOMPUTE_DEPTH = 5
+
+
 def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, *, bw_h2d: float,
                   bw_d2h: float, headroom: float = 0.92, alignment: int = 256, windows: int | None = None,
-                  depth: int = 3, max_candidates: int = 6, max_chain: int = 8, max_items: int = 512,
+                  depth: int = RECOMPUTE_DEPTH, max_candidates: int = 6, max_chain: int = 8, max_items: int = 512,
                   order: list[int] | None = None, host_per_vertex: float = 0.0, reload_room: bool = False,
                   bw_duplex: float | None = None) -> Problem:
     order = list(order) if order is not None else step_order(tg)
