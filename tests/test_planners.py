@@ -266,7 +266,9 @@ def test_ilp_never_worse_than_greedy(index, frac):
     got, _, _ = ilp_optimum(problem)
     if g_ev.feasible:
         assert got is not None and got.feasible
-        assert got.objective <= g_ev.objective * (1 + 1e-9)
+        # HiGHS's optimality tolerance: with deeper recompute candidates it returned a plan of equal
+        # time that streams 768 bytes more, 6e-9 of the objective above greedy's
+        assert got.objective <= g_ev.objective * (1 + 1e-7)
         assert got.time <= g_ev.time * (1 + 2 * TIE_BREAK)
     plan = planners.plan(tg, budget, costs=costs, alignment=64, time_limit=20)
     if g_ev.feasible:
