@@ -113,7 +113,7 @@ def write_concats_in_place(tg: TaskGraph) -> TaskGraph:
         return tg
     out = dataclasses.replace(tg, vertices=[], values=[dataclasses.replace(v) for v in tg.values],
                               outputs=dict(tg.outputs), bindings=dict(tg.bindings))
-    start_at: dict[int, _Concat] = {}  # first writer (or the cat) -> its concat: the empty result goes first
+    start_at: dict[int, _Concat] = {}  # first writer in program order -> its concat: the empty result goes first
     rewrite: dict[int, tuple[_Concat, int]] = {}  # writer vertex -> (concat, part)
     at_cat: dict[int, _Concat] = {}
     for c in concats:
