@@ -15,30 +15,25 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 
 import torch
 from turnip.bench.models.sizes import make_workload
 from turnip.bench.options import planner_options
-from turnip.bench.peers.common import device_timed_steps, trainable
+from turnip.bench.peers.common import ab_arguments, run_alternately, trainable
 from turnip.bench.results import run_metadata, write_result
 from turnip.engine.timing_sim import simulate, transfer_bytes
 from turnip.planners.costs import CostModel
 
-from turnip import engine, memgraph
+from turnip import memgraph
 
 log = logging.getLogger(__name__)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m turnip.bench.planner_ab", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="gpt1.3b")
-    ap.add_argument("--budget", default="0.25", help="compile's budget: bytes, a size, or a fraction")
+    ab_arguments(ap)
     ap.add_argument("--a", action="append", default=[], metavar="KEY=VALUE", help="planner option of side A")
     ap.add_argument("--b", action="append", default=[], metavar="KEY=VALUE", help="planner option of side B")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of the two MemGraphs, alternating")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per MemGraph and round")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per MemGraph and round")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -62,13 +57,8 @@ def main(argv=None) -> int:
         rows[name] = {"options": options, "planner": mg.plan.planner, "simulated_s": simulate(mg, costs, backend="cuda").step_time,
                       "bytes_h2d": moved_in, "bytes_d2h": moved_out, "compile_s": mg.stats.get("compile_seconds"),
                       "steps_s": []}
-    for _ in range(args.rounds):
-        for name, mg in builds.items():
-            rows[name]["steps_s"] += device_timed_steps(lambda mg=mg: engine.run(mg, batch), args.steps, args.warmup)
-            mg.release()
-            log.info("%s: %s ms", name, " ".join(f"{t * 1e3:.1f}" for t in rows[name]["steps_s"][-args.steps:]))
+    run_alternately(builds, rows, batch, args.rounds, args.steps, args.warmup)
     for name, row in rows.items():
-        row["median_s"] = statistics.median(row["steps_s"])
         log.info("%s %s: median %.1f ms, simulated %.1f ms, %.2f GiB in, %.2f GiB out", name, row["options"],
                  row["median_s"] * 1e3, row["simulated_s"] * 1e3, row["bytes_h2d"] / 2**30, row["bytes_d2h"] / 2**30)
     out = {**run_metadata(), "benchmark": "planner_ab", "model": args.model, "budget": args.budget,

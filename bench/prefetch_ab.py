@@ -15,29 +15,24 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 
 import torch
 from turnip.bench.models.sizes import make_workload
-from turnip.bench.peers.common import device_timed_steps, trainable
+from turnip.bench.peers.common import ab_arguments, run_alternately, trainable
 from turnip.bench.results import run_metadata, write_result
 from turnip.engine.timing_sim import simulate, transfer_bytes
 from turnip.ir.optimizer import CompiledOptimizer
 from turnip.memgraph.build import rebuild_ahead
 from turnip.planners.costs import CostModel
 
-from turnip import engine, memgraph
+from turnip import memgraph
 
 log = logging.getLogger(__name__)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m turnip.bench.prefetch_ab", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="gpt1.3b")
-    ap.add_argument("--budget", default="0.25", help="compile's budget: bytes, a size, or a fraction")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of the two builds, alternating")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per build and round")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per build and round")
+    ab_arguments(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -60,13 +55,8 @@ def main(argv=None) -> int:
                    "bytes_h2d": transfer_bytes(mg)[0], "bytes_d2h": transfer_bytes(mg)[1],
                    "reload_reservations": mg.stats.get("reload_reservations", 0), "steps_s": []}
             for name, mg in builds.items()}
-    for _ in range(args.rounds):
-        for name, mg in builds.items():
-            rows[name]["steps_s"] += device_timed_steps(lambda mg=mg: engine.run(mg, batch), args.steps, args.warmup)
-            mg.release()  # one arena and one pinned storage at a time
-            log.info("%s: %s ms", name, " ".join(f"{t * 1e3:.1f}" for t in rows[name]["steps_s"][-args.steps:]))
+    run_alternately(builds, rows, batch, args.rounds, args.steps, args.warmup)
     for name, row in rows.items():
-        row["median_s"] = statistics.median(row["steps_s"])
         log.info("%-16s median %.1f ms, simulated %.1f ms, %d reload reservations", name, row["median_s"] * 1e3,
                  row["simulated_s"] * 1e3, row["reload_reservations"])
     out = {**run_metadata(), "benchmark": "prefetch_ab", "model": args.model, "budget": args.budget,

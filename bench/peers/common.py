@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from turnip import engine
+
 log = logging.getLogger(__name__)
 
 OK, OOM, INFEASIBLE, ERROR, TIMEOUT, NOT_INSTALLED, SKIPPED = (
@@ -275,6 +277,28 @@ def device_timed_steps(step: Callable[[], Any], steps: int, warmup: int) -> list
         if k >= warmup:
             times.append(start.elapsed_time(end) / 1e3)
     return times
+
+
+def ab_arguments(parser) -> None:
+    """The arguments the A/B benches of one compiled bench model share (prefetch_ab, planner_ab)."""
+    parser.add_argument("--model", default="gpt1.3b")
+    parser.add_argument("--budget", default="0.25", help="compile's budget: bytes, a size, or a fraction")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the two MemGraphs, alternating")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per MemGraph and round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per MemGraph and round")
+
+
+def run_alternately(builds: dict, rows: dict[str, dict], batch, rounds: int, steps: int, warmup: int) -> None:
+    """Time each MemGraph of ``builds`` (name -> MemGraph) ``rounds`` times in turn, ``steps`` device-timed
+    steps after ``warmup`` each, appending to ``rows[name]["steps_s"]`` and setting its "median_s". Each
+    is released after its turn, so one arena and one pinned storage exist at a time."""
+    for _ in range(rounds):
+        for name, mg in builds.items():
+            rows[name]["steps_s"] += device_timed_steps(lambda mg=mg: engine.run(mg, batch), steps, warmup)
+            mg.release()
+            log.info("%s: %s ms", name, " ".join(f"{t * 1e3:.1f}" for t in rows[name]["steps_s"][-steps:]))
+    for row in rows.values():
+        row["median_s"] = statistics.median(row["steps_s"])
 
 
 def guarded(result: PeerResult, device, body: Callable[[], None], limit_s: float | None = None) -> PeerResult:
