@@ -50,7 +50,7 @@ from turnip.bench.peers.spawned import call_spawned
 from turnip.bench.profile_step import kernel_profile
 from turnip.bench.results import result_path, run_metadata
 from turnip.engine.timing_sim import step_floor, transfer_bytes
-from turnip.ir.budget import BudgetError, check_budget, format_bytes, parse_budget
+from turnip.ir.budget import BudgetError, budget_size, check_budget, format_bytes, parse_budget
 from turnip.planners.costs import CostModel
 
 from turnip import engine, memgraph
@@ -144,17 +144,10 @@ def _peak(device: str) -> int | None:
     return int(torch.cuda.max_memory_allocated()) if device.startswith("cuda") else None
 
 
-def budget_bytes(budget: str) -> int | None:
-    """A cell's budget in bytes, or None where it is a fraction (of turnip's unplanned peak: no size a
-    peer's measured peak can be held to). ir/budget.py reads it; a fraction is what scales with the peak."""
-    size = parse_budget(budget, None)
-    return size if parse_budget(budget, 1 << 50) == size else None
-
-
 def judge_budget(row: dict, budget: str) -> None:
     """A peer without a byte budget ran a cell: "over budget" where its measured peak exceeds the cell's
     budget (its time stays in the row, with ``fits_budget`` and ``budget_bytes``)."""
-    limit = budget_bytes(budget)
+    limit = budget_size(budget)  # None for a fraction: no size a peer's measured peak can be held to
     row["budget_bytes"] = limit
     if row.get("status") != OK or limit is None or row.get("peak_allocated") is None:
         return

@@ -90,6 +90,15 @@ def _fraction(fraction: float, unplanned_peak: int | None, what: str, given: str
     return max(1, int(fraction * (unplanned_peak or 0)))
 
 
+def budget_size(budget: float | str | None) -> int | None:
+    """The bytes of a budget given as a size; None for a fraction of the unplanned peak (or None),
+    whose bytes depend on the peak."""
+    if budget is None:
+        return None
+    size = parse_budget(budget, None)
+    return size if parse_budget(budget, 1 << 50) == size else None
+
+
 def check_budget(budget: float | str | None, what: str = "budget") -> None:
     """Raise the BudgetError parse_budget would, before the unplanned peak is known."""
     parse_budget(budget, None, what)

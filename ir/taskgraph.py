@@ -206,6 +206,16 @@ class TaskGraph:
                 self.values[out].producer = vid
         return vid
 
+    def add_copy(self, vertex: Vertex, **changes) -> int:
+        """Append ``vertex`` (of a graph over the same values, being rewritten into this one) under
+        the next id, with ``changes`` replacing any of its other fields."""
+        vid = len(self.vertices)
+        self.vertices.append(dataclasses.replace(vertex, id=vid, **changes))
+        for out in self.vertices[vid].outputs:
+            if out >= 0:
+                self.values[out].producer = vid
+        return vid
+
     # -- queries ------------------------------------------------------------
     def inputs_of_kind(self, *kinds: ValueKind) -> list[int]:
         return [v.id for v in self.values if v.kind in kinds]

@@ -11,7 +11,7 @@ import time
 import torch
 from turnip.engine.host_memory import describe_host, pinnable_bytes
 from turnip.engine.timing_sim import simulate
-from turnip.ir.budget import check_budget, format_bytes, parse_budget
+from turnip.ir.budget import budget_size, check_budget, format_bytes, parse_budget
 from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import MemGraph
 from turnip.ir.optimizer import CompiledOptimizer
@@ -167,7 +167,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                       time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
             if traced is not None and planner != "none" and gpu_budget < step_floor(tg, alignment):
                 tg, loss_blocks = split_to_fit(traced, tg, gpu_budget, alignment, costs, progress)
-            elif traced is not None and not backward and is_size(budget, gpu_budget):
+            elif traced is not None and not backward and budget_size(budget) is not None:
                 whole = undonated_if_it_fits(traced, gpu_budget, alignment, costs)
                 if whole is not None:
                     tg, keep_all, peak = whole
@@ -245,11 +245,6 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     return mg
 
 
-def is_size(budget, gpu_budget: int) -> bool:
-    """Whether a budget was given as a size (bytes), not as a fraction of the unplanned peak or None."""
-    return budget is not None and parse_budget(budget, 1 << 62) == gpu_budget
-
-
 def undonated_if_it_fits(traced: TaskGraph, gpu_budget: int, alignment: int, costs) -> tuple | None:
     """(graph, keep-everything MemGraph, unplanned peak) of a forward-only step without buffer
     donation when it fits ``gpu_budget`` whole, else None.
@@ -258,8 +253,7 @@ def undonated_if_it_fits(traced: TaskGraph, gpu_budget: int, alignment: int, cos
     through other strides or a broadcast (Llama's rotary products, RMSNorm's weight) ran 9-13%
     slower than into a fresh buffer on the H100, 11 ms of a 32K-token 7B prefill (the kernel
     profiles of bench/results/h100/prefill_s15.json and prefill_s16.json, turnip beside eager).
-    A step whose budget holds it whole without donation
-    needs none of that memory. Training steps stay donated: at eager's peak their donated loss
+    A step whose budget holds it whole without donation needs none of that memory. Training steps stay donated: at eager's peak their donated loss
     head is what fits."""
     if costs is not None:
         costs.annotate(traced)

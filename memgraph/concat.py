@@ -79,10 +79,10 @@ def _find(tg: TaskGraph) -> list[_Concat]:
             at += p.size[dim]
         if at != result.shape[dim]:
             continue
-        written = {}
+        written = {}  # each part is a value read once by the cat, so each writer writes one part
         for i, part in enumerate(parts):
             writer = _in_place_writer(tg, consumers, pinned, cat, part)
-            if writer is not None and writer.id not in written.values():
+            if writer is not None:
                 written[i] = writer.id
         if written:
             found.append(_Concat(cat, dim, list(parts), offsets, written))
@@ -140,13 +140,6 @@ def write_concats_in_place(tg: TaskGraph) -> TaskGraph:
         result = tg.values[c.cat.outputs[0]]
         return TensorRef(value, tuple(c.parts[part].size), tuple(result.stride), c.offsets[part] * result.stride[c.dim])
 
-    def copy_of(vertex: Vertex, **changes) -> None:
-        fields = {"op": vertex.op, "args": vertex.args, "kwargs": vertex.kwargs, "outputs": vertex.outputs,
-                  "module": vertex.module, "phase": vertex.phase, "random": vertex.random, "time": vertex.time,
-                  "workspace": vertex.workspace, "recompute_of": vertex.recompute_of, "copy_in": vertex.copy_in,
-                  **changes}
-        out.add_vertex(fields.pop("op"), fields.pop("args"), fields.pop("kwargs"), fields.pop("outputs"), **fields)
-
     for vertex in tg.vertices:
         c = start_at.get(vertex.id)
         if c is not None:
@@ -160,8 +153,8 @@ def write_concats_in_place(tg: TaskGraph) -> TaskGraph:
             c, part = rewrite[vertex.id]
             old, new = next_version(c)
             out_op, (out_name,) = out_variant(vertex.op)
-            copy_of(vertex, op=op_name(out_op), kwargs={**vertex.kwargs, out_name: slice_of(c, part, new)},
-                    outputs=(new,), copy_in=((old, new),))
+            out.add_copy(vertex, op=op_name(out_op), kwargs={**vertex.kwargs, out_name: slice_of(c, part, new)},
+                         outputs=(new,), copy_in=((old, new),))
             continue
         if vertex.id in at_cat:
             c = at_cat[vertex.id]
@@ -172,7 +165,7 @@ def write_concats_in_place(tg: TaskGraph) -> TaskGraph:
                 out.add_vertex(op_name(torch.ops.aten.copy_.default), (slice_of(c, part, new), ref), {}, (new,),
                                module=vertex.module, phase=vertex.phase, copy_in=((old, new),))
             continue
-        copy_of(vertex)
+        out.add_copy(vertex)
     out = drop_unproduced(out)
     out.validate()
     log.info("%d concatenations written in place (%d parts written by the op that makes them)", len(concats),

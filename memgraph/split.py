@@ -211,9 +211,7 @@ def split_loss_head(tg: TaskGraph, k: int) -> TaskGraph:
         if vertex.id in forward_at:
             forward_at[vertex.id].forward()
         if vertex.id not in removed:
-            out.add_vertex(vertex.op, vertex.args, vertex.kwargs, vertex.outputs, module=vertex.module,
-                           phase=vertex.phase, random=vertex.random, time=vertex.time, workspace=vertex.workspace,
-                           recompute_of=vertex.recompute_of, copy_in=vertex.copy_in)
+            out.add_copy(vertex)
         if vertex.id in backward_at:
             backward_at[vertex.id].backward()
     out = drop_unproduced(out, keep=keep)

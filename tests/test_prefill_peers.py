@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from turnip.bench import prefill  # after the skip: the benchmark needs transformers
+from turnip.ir.budget import budget_size
 
 GIB = 2**30
 
@@ -59,9 +60,9 @@ def test_one_measurement_per_length_becomes_a_row_per_budget_judged_against_it()
     assert (failed["status"], failed["error"]) == ("oom", "CUDA out of memory")
 
 
-def test_budget_bytes_follows_the_budget_forms():
-    assert [prefill.budget_bytes(b) for b in ("16GiB", "8GB", "6000000000", "0.5", "50%")] == [
-        16 * GIB, 8 * 10**9, 6_000_000_000, None, None]
+def test_budget_size_follows_the_budget_forms():
+    assert [budget_size(b) for b in ("16GiB", "8GB", "6000000000", "0.5", "50%", None)] == [
+        16 * GIB, 8 * 10**9, 6_000_000_000, None, None, None]
 
 
 def test_a_malformed_budget_is_refused_before_the_model_is_built(tmp_path, capsys):
