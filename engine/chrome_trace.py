@@ -26,9 +26,26 @@ def vertex_bytes(mg: MemGraph, vid: int) -> int:
     return int(sum(p.nbytes for p in places.values()))
 
 
+def unit_predecessors(mg: MemGraph) -> dict[int, list[int]]:
+    """Per unit (named by its first vertex, as records name it): the units it waits for, by their
+    first vertices. A segment of mg.segments is one unit; every other vertex is its own."""
+    head = list(range(len(mg.vertices)))
+    for seg in mg.segments:
+        for vid in seg:
+            head[vid] = seg[0]
+    after: dict[int, set[int]] = {vid: set() for vid in set(head)}
+    for src, dst, _ in mg.edges:
+        if head[src] != head[dst]:
+            after[head[dst]].add(head[src])
+    return {vid: sorted(s) for vid, s in after.items()}
+
+
 def trace_events(mg: MemGraph, records: list[Record], keys: list, origin: float,
-                 instances: dict[int, int] | None = None, meta: dict | None = None) -> dict:
-    """The trace as a dict: {"traceEvents": [...], "displayTimeUnit": "ms", "metadata": {...}}."""
+                 instances: dict[int, int] | None = None, meta: dict | None = None,
+                 launched: dict[int, float] | None = None) -> dict:
+    """The trace as a dict: {"traceEvents": [...], "displayTimeUnit": "ms", "metadata": {...}}.
+    ``launched``: when the host launched each unit (perf_counter seconds, by first vertex), where the
+    backend knows; a slice then carries it as args["launched"], in the trace's microseconds."""
     events: list[dict] = []
     tids: dict[tuple[int, int], int] = {}
     used = sorted({(r.key, r.instance) for r in records}
@@ -46,6 +63,7 @@ def trace_events(mg: MemGraph, records: list[Record], keys: list, origin: float,
                        "args": {"name": f"{stream.value} {inst}"}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": dev, "tid": tid, "args": {"sort_index": order}})
     tg = mg.taskgraph
+    after = unit_predecessors(mg)
     for r in records:
         mv = mg.vertices[r.vertex]
         stream, dev = keys[r.key]
@@ -55,6 +73,10 @@ def trace_events(mg: MemGraph, records: list[Record], keys: list, origin: float,
             args.update(task_vertex=mv.task_vertex, module=tv.module, phase=tv.phase)
         if mv.value >= 0:
             args["value"] = mv.value
+        if launched and r.vertex in launched:
+            args["launched"] = round((launched[r.vertex] - origin) * 1e6, 3)
+        if after[r.vertex]:  # what it waited for: bench/trace_waits.py reads these to explain gaps
+            args["after"] = after[r.vertex]
         if not r.ok:
             args["failed"] = True
         events.append({
@@ -67,8 +89,9 @@ def trace_events(mg: MemGraph, records: list[Record], keys: list, origin: float,
 
 
 def write_trace(path: str | Path, mg: MemGraph, records: list[Record], keys: list, origin: float,
-                instances: dict[int, int] | None = None, meta: dict | None = None) -> Path:
+                instances: dict[int, int] | None = None, meta: dict | None = None,
+                launched: dict[int, float] | None = None) -> Path:
     path = Path(path)
-    doc = trace_events(mg, records, keys, origin, instances, meta)
+    doc = trace_events(mg, records, keys, origin, instances, meta, launched)
     path.write_text(json.dumps(doc, default=str))
     return path

@@ -126,6 +126,7 @@ class CudaRuntime(Runtime):
             self._origin = torch.cuda.Event(enable_timing=True)
         if self.timing:
             self._origin.record()
+            self.launched = {}
 
     def _finish(self) -> None:
         for lane in self.lanes.values():
@@ -231,6 +232,7 @@ class CudaRuntime(Runtime):
         timers = self._timers if self.timing else None
         head = self.graph.head[unit]
         if timers is not None:
+            self.launched[head] = time.perf_counter()
             timers[head][0].record(stream)
         if len(self.graph.units[unit]) > 1:
             self.segment_graphs.run(unit, (item.key, item.instance), self._ctx.scalars,

@@ -235,7 +235,8 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", trace:
                 write_trace(trace, mg, runtime.device_records(records, origin), graph.keys, origin,
                             instances={k: n for k, n in enumerate(pool.sizes)},
                             meta={"step": step, "ordering": policy.name, "policy": repr(policy), "ok": ok,
-                                  "vertices": graph.n, "wall_s": time.perf_counter() - origin})
+                                  "vertices": graph.n, "wall_s": time.perf_counter() - origin},
+                            launched=runtime.launched)
         log.debug("step %d: %d vertices in %.3f ms (%s)", step, graph.n,
                   (time.perf_counter() - origin) * 1e3, policy)
         return outputs

@@ -103,6 +103,8 @@ class Runtime:
         self._output_names = {vid: name for name, vid in mg.taskgraph.outputs.items()}
         self.fuzz_seed: int | None = None  # set per step by engine.run for random orderings
         self.timing = False  # set per step by engine.run when a trace is wanted
+        # traced steps of a backend whose records are device times: when the host launched each unit
+        self.launched: dict[int, float] = {}
         self.transfer_depth = 0  # set per step by engine.run: copies reported at enqueue (CUDA)
         self.completion = "events"  # set per step by engine.run: how CUDA lanes report (engine/completions.py)
         self.stream_sizes: list[int] = []  # set per step by engine.run: stream instances per StaticGraph key

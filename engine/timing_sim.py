@@ -127,8 +127,10 @@ class SimResult:
 
     def write_trace(self, path: str | Path, mg: MemGraph, meta: dict | None = None) -> Path:
         """A Chrome/Perfetto trace through engine/chrome_trace.py's writer (times are simulated)."""
+        launched = {r.vertex: self.launched_at[r.vertex] for r in self.records
+                    if not math.isnan(self.launched_at[r.vertex])}
         return write_trace(path, mg, self.records, self.keys, 0.0, instances=self.instances,
-                           meta={"simulated": True, **self.summary(), **(meta or {})})
+                           meta={"simulated": True, **self.summary(), **(meta or {})}, launched=launched)
 
 
 # -- durations ---------------------------------------------------------------------------------

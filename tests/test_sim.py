@@ -570,3 +570,20 @@ def test_transfer_ahead_must_be_a_count(bad):
     h.transfer(Kind.RELOAD, 1)
     with pytest.raises(ValueError, match="transfer_ahead"):
         simulate(h.done(), bandwidth=BW, transfer_ahead=bad)
+
+
+def test_trace_names_what_each_unit_waited_for(tmp_path):
+    """The trace's "after" lists each unit's predecessors, and bench/trace_waits.py charges the compute
+    stream's 9 ms gap (B queued behind its 10 ms reload) to that reload."""
+    from turnip.bench.trace_waits import explain_gaps, load_units
+
+    mg, b = nondeterministic_wins()
+    res = simulate(mg, bandwidth=BW, transfer_ahead=1)
+    units = load_units(res.write_trace(tmp_path / "sim.json", mg))
+    after = {e["args"]["vertex"]: e["args"].get("after", []) for e in units}
+    assert after[b] == [0] and after[b + 1] == [] and after[b + 2] == [b + 1]
+    assert all("launched" in e["args"] for e in units)
+    gaps = explain_gaps(units)
+    assert len(gaps) == 1
+    assert gaps[0]["vertex"] == b and gaps[0]["gap_us"] == pytest.approx(9000, abs=50)
+    assert gaps[0]["cause"] == "waits for reload" and gaps[0]["waited_for"]["vertex"] == 0
