@@ -1,7 +1,7 @@
 """One compiled MemGraph run under several engine settings, alternating, beside eager in the same process.
 
     python -m turnip.bench.engine_variants --model gpt350m --budgets 0.5,0.25 --transfer-ahead 0,1,4 \\
-        [--orderings nondeterministic,deterministic] [--completions events,callback] [--rounds 6] \\
+        [--orderings nondeterministic,deterministic] [--completions events,callback] [--copy-streams 2,1] [--rounds 6] \\
         [--planner-option time_limit=8]
     python -m turnip.bench.engine_variants --tiny          # CPU, a small GPT: checks the command, no timings
 
@@ -41,16 +41,22 @@ log = logging.getLogger(__name__)
 
 
 def settings(orderings: list[str], transfer_ahead: list[int | None],
-             completions: list[str | None] = (None,)) -> list[dict]:
-    """Every (ordering, transfer_ahead, completion) triple; None is the engine's default."""
-    return [{"ordering": o, "transfer_ahead": k, "completion": c}
-            for o, k, c in itertools.product(orderings, transfer_ahead, completions)]
+             completions: list[str | None] = (None,), copy_streams: list[int | None] = (None,)) -> list[dict]:
+    """Every (ordering, transfer_ahead, completion, copy streams) combination; None is the engine's default."""
+    return [{"ordering": o, "transfer_ahead": k, "completion": c, "copy_streams": n}
+            for o, k, c, n in itertools.product(orderings, transfer_ahead, completions, copy_streams)]
+
+
+def streams_of(setting: dict) -> dict | None:
+    """engine.run's streams= for a setting: its copy streams per direction, or None (the default)."""
+    n = setting.get("copy_streams")
+    return None if n is None else {"h2d": n, "d2h": n}
 
 
 def label(setting: dict) -> str:
-    completion = setting.get("completion")
+    completion, copy_streams = setting.get("completion"), setting.get("copy_streams")
     return f"{setting['ordering']}, transfer_ahead={setting['transfer_ahead']}" + (
-        f", {completion}" if completion else "")
+        f", {completion}" if completion else "") + (f", {copy_streams} copy streams" if copy_streams else "")
 
 
 def run_budget(workload, device: str, budget: float, variants: list[dict], rounds: int, options: dict,
@@ -73,7 +79,7 @@ def run_budget(workload, device: str, budget: float, variants: list[dict], round
             sync(device)
             t0 = time.perf_counter()
             out = engine.run(mg, batch, ordering=setting["ordering"], transfer_ahead=setting["transfer_ahead"],
-                             completion=setting.get("completion"))
+                             completion=setting.get("completion"), streams=streams_of(setting))
             sync(device)
             times[label(setting)].append(time.perf_counter() - t0)
             losses[label(setting)].append(float(out["loss"]))
@@ -83,7 +89,7 @@ def run_budget(workload, device: str, budget: float, variants: list[dict], round
     for setting in variants:
         t = sorted(times[label(setting)])
         sim = simulate(mg, costs, ordering=setting["ordering"], transfer_ahead=setting["transfer_ahead"],
-                       backend=device)
+                       backend=device, streams=streams_of(setting))
         rows.append({**setting, "step_s": times[label(setting)], "losses": losses[label(setting)],
                      "median_s": statistics.median(t) if t else None, "min_s": t[0] if t else None,
                      "max_s": t[-1] if t else None, "sim_step_s": sim.step_time,
@@ -105,6 +111,8 @@ def main(argv=None) -> int:
     parser.add_argument("--orderings", default="nondeterministic")
     parser.add_argument("--completions", default="", help="comma-separated: events, callback (default: the "
                         "engine's default only)")
+    parser.add_argument("--copy-streams", default="", help="comma-separated CUDA streams per copy direction "
+                        "(default: the engine's, engine/resources.py DEFAULT_STREAMS)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--device", default=None, help="default: cuda when available")
@@ -117,7 +125,8 @@ def main(argv=None) -> int:
     device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     variants = settings([o for o in args.orderings.split(",") if o],
                         [int(k) for k in args.transfer_ahead.split(",") if k],
-                        [c for c in args.completions.split(",") if c] or [None])
+                        [c for c in args.completions.split(",") if c] or [None],
+                        [int(n) for n in args.copy_streams.split(",") if n] or [None])
     workload = make_workload(args.model, tiny=args.tiny)
     eager = resolve("eager")(workload, device, 5, warmup=2)
     if eager.status != "ok":
