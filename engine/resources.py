@@ -32,16 +32,16 @@ WORKSPACE = "workspace"  # the name StaticGraph.needs gives the WorkspacePool
 # intra-op threads, so two compute lanes give real overlap without thrashing.
 # On CUDA one compute stream with launch-ahead (engine/cuda.py) measured
 # fastest (bench/engine_overhead.py: 3 compute streams cost 2.5 us more per
-# vertex), and large kernels fill the GPU alone. One stream per copy direction: on the H100 two
-# streams of one direction never copied at the same time (trace of gpt1.3b at 50%, bench/trace_waits.py:
-# 0 ms of overlap in 108 ms of copies), and the copy engine, not the loop, then chose which stream's
-# queue went next, so an urgent offload waited 4 ms behind another stream's (issue 9's closing note).
-# With one stream the copies run in the order the loop queued them, as the simulator assumes;
-# transfer_ahead keeps the engine busy while the loop notices a copy end. One host lane: a CPU
-# optimizer update already spreads over every core (torch's intra-op threads).
+# vertex), and large kernels fill the GPU alone. Two streams per copy direction, although the
+# H100 never ran two copies of one direction at once (trace of gpt1.3b at 50%, bench/trace_waits.py:
+# no overlap in 108 ms of copies): the copy engine then chooses between the two streams' queues,
+# which may hold an urgent copy behind another stream's (4 ms in that trace), but one stream, where
+# the copies run strictly in the order the loop queued them, measured slower on the same MemGraph,
+# 217.9 ms against 212.2 (bench/results/h100/engine_variants_gpt1.3b.json, simulated 211.9 and 201.0).
+# One host lane: a CPU optimizer update already spreads over every core (torch's intra-op threads).
 DEFAULT_STREAMS = {
     "cpu": {Stream.COMPUTE: 2, Stream.H2D: 1, Stream.D2H: 1, Stream.HOST: 1},
-    "cuda": {Stream.COMPUTE: 1, Stream.H2D: 1, Stream.D2H: 1, Stream.HOST: 1},
+    "cuda": {Stream.COMPUTE: 1, Stream.H2D: 2, Stream.D2H: 2, Stream.HOST: 1},
 }
 
 

@@ -329,8 +329,8 @@ def test_policies_and_stream_counts():
         serial_positions(mg)
     counts = stream_counts("cpu", {"compute": 4, Stream.H2D: 2})
     assert counts[Stream.COMPUTE] == 4 and counts[Stream.H2D] == 2 and counts[Stream.D2H] == 1
-    cuda = stream_counts("cuda")  # one stream per class: a copy engine runs one direction's copies in turn
-    assert (cuda[Stream.COMPUTE], cuda[Stream.H2D], cuda[Stream.D2H]) == (1, 1, 1)
+    cuda = stream_counts("cuda")
+    assert (cuda[Stream.COMPUTE], cuda[Stream.H2D], cuda[Stream.D2H]) == (1, 2, 2)
     with pytest.raises(ValueError):
         stream_counts("cpu", {"compute": 0})
 

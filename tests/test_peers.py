@@ -145,11 +145,9 @@ def test_ablation_synthetic_nondeterministic_wins():
     # copies reported when done: the loop prefetches optimizer states the serial order reaches late
     assert summary[("synthetic, transfer_ahead 0", 0.0)]["det_over_nondet_median"] > 1.01
     assert summary[("synthetic, transfer_ahead 0", 0.2)]["seeds"] == 3
-    # copies reported at enqueue, one copy stream per direction (the CUDA default): the device runs the
-    # copies in the order the loop queued them, so the loop's choice of order still counts (with two
-    # streams per direction both orders queued early and came out equal in the simulator and on the H100:
-    # bench/results/h100/engine_variants_gpt350m.json)
-    assert summary[("synthetic, transfer_ahead 4", 0.0)]["det_over_nondet_median"] > 1.01
+    # copies reported at enqueue: both orders queue them early, the device's order decides (the H100
+    # measured no difference either: bench/results/h100/engine_variants_gpt350m.json)
+    assert summary[("synthetic, transfer_ahead 4", 0.0)]["det_over_nondet_median"] < 1.01
 
 
 def test_planner_options_must_be_key_value():
