@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 from turnip.bench.models.sizes import make_workload
 from turnip.bench.options import planner_options
-from turnip.planners.host_update import host_update_candidates
 from turnip.bench.peers.common import Workload
 from turnip.bench.peers.isolated import resolve
 from turnip.bench.results import result_path, run_metadata
@@ -39,9 +38,11 @@ from turnip.ir.plan import Plan
 from turnip.ir.step_file import load_step, save_step
 from turnip.memgraph.build import build, build_walks
 from turnip.memgraph.compile import UNBOUNDED, unplanned_peak
+from turnip.memgraph.recast import recompute_evicted
 from turnip.memgraph.trace import trace
 from turnip.planners.costs import CostModel, DeviceSpec, default_costs
 from turnip.planners.driver import plan_candidates
+from turnip.planners.host_update import host_update_candidates
 from turnip.planners.measure import device_name
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,11 @@ def replan(step: Path, budgets: list[str], options: dict, host_update: str = "of
                                                            **options), host_update)
         plan_s = time.perf_counter() - started
         for k, plan in enumerate(plans):
-            for walk, mg in zip(("ahead", "compact"), build_walks(tg, plan, alignment=ALIGNMENT), strict=False):
+            built = list(zip(("ahead", "compact"), build_walks(tg, plan, alignment=ALIGNMENT), strict=False))
+            amended = recompute_evicted(tg, plan, built[0][1], costs)  # as compile tries on its pick
+            if amended is not None:
+                built.append(("ahead+recomputed evictions", build_walks(tg, amended, alignment=ALIGNMENT)[0]))
+            for walk, mg in built:
                 sim = simulate(mg, costs, backend="cuda")
                 moved_in, moved_out = transfer_bytes(mg)
                 summary = mg.summary()

@@ -19,6 +19,7 @@ from turnip.ir.plan import Plan
 from turnip.ir.taskgraph import TaskGraph
 from turnip.memgraph.build import build, build_walks
 from turnip.memgraph.progress import Phases, stderr_is_terminal
+from turnip.memgraph.recast import recompute_evicted
 from turnip.memgraph.report import compile_report
 from turnip.memgraph.reuse import donate_dying_inputs
 from turnip.memgraph.split import split_loss_head
@@ -391,22 +392,49 @@ def build_candidates(tg, candidates: list[Plan], alignment: int, costs, backend:
             built = build_walks(tg, plan, alignment=alignment)
             mgs += built
             walks += ["ahead", "compact"][:len(built)]
-    if len(mgs) == 1:
-        return mgs[0], walks[0]
-    best = fastest_simulated(mgs, costs, backend)
-    return best, walks[next(k for k, mg in enumerate(mgs) if mg is best)]
+    best = mgs[0] if len(mgs) == 1 else fastest_simulated(mgs, costs, backend)
+    walk = walks[next(k for k, mg in enumerate(mgs) if mg is best)]
+    return amended_if_faster(tg, best, walk, alignment, costs, backend), walk
+
+
+def amended_if_faster(tg, best: MemGraph, walk: str | None, alignment: int, costs, backend: str) -> MemGraph:
+    """``best``, or the MemGraph of its plan amended to recompute what the builder evicted
+    (memgraph/recast.py) when the simulator runs that one faster."""
+    amended = recompute_evicted(tg, best.plan, best, costs) if costs is not None else None
+    if amended is None:
+        return best
+    try:
+        mg = build_by_walk(tg, amended, walk, alignment)
+    except InfeasibleBudget as exc:
+        log.info("the plan amended to recompute evicted values does not build (%s)", exc)
+        return best
+    seconds = simulate(mg, costs, backend=backend).step_time
+    before = best.stats.get("simulated_step_s")
+    if before is None:
+        before = simulate(best, costs, backend=backend).step_time
+    log.info("recomputing evicted values: simulated %.3f ms against %.3f", seconds * 1e3, before * 1e3)
+    if seconds >= before:
+        return best
+    mg.stats["simulated_step_s"] = seconds
+    mg.stats["simulated_candidates"] = {**best.stats.get("simulated_candidates", {}),
+                                        f"{amended.planner}+recomputed evictions": seconds}
+    return mg
+
+
+def build_by_walk(tg, plan: Plan, walk: str | None, alignment: int) -> MemGraph:
+    """The MemGraph of ``plan`` built by the builder walk named ("ahead", "compact"; None: build's choice)."""
+    if walk == "compact":
+        return build(tg, plan, alignment=alignment, compact=True)
+    if walk == "ahead":
+        return build_walks(tg, plan, alignment=alignment)[0]
+    return build(tg, plan, alignment=alignment)
 
 
 def build_cached(tg, hit: CachedPlan, alignment: int) -> MemGraph | None:
     """The MemGraph of a cached plan, built by the walk that won when it was planned; None (with a
     warning) when it does not build."""
     try:
-        if hit.walk == "compact":
-            mg = build(tg, hit.plan, alignment=alignment, compact=True)
-        elif hit.walk == "ahead":
-            mg = build_walks(tg, hit.plan, alignment=alignment)[0]
-        else:
-            mg = build(tg, hit.plan, alignment=alignment)
+        mg = build_by_walk(tg, hit.plan, hit.walk, alignment)
     except Exception as exc:  # noqa: BLE001 - a cached plan that does not build is planned again
         log.warning("the cached plan does not build (%s: %s); planning again", type(exc).__name__, exc)
         return None

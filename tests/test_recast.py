@@ -1,0 +1,57 @@
+"""memgraph/recast.py: values the builder evicted, recomputed from GPU-homed weights instead of reloaded."""
+
+from __future__ import annotations
+
+import torch
+from cases import OPTIMIZERS, assert_same_state, bf16_autocast, eager_steps, make_case, trainable
+from turnip.ir.memgraph import Kind
+from turnip.ir.optimizer import CompiledOptimizer
+from turnip.ir.taskgraph import ValueKind
+from turnip.memgraph.build import build
+from turnip.memgraph.recast import recompute_evicted
+from turnip.memgraph.verify import verify
+from turnip.planners.costs import default_costs
+
+from turnip import engine, memgraph
+
+
+def evicting_build():
+    """A step the builder alone fits into 90% of its peak (planner "none"): under bf16 autocast it
+    evicts the bf16 copies of weights that the backward reads again."""
+    model, loss_fn, batches = make_case("gpt")
+    mixed = bf16_autocast(loss_fn)
+    make_opt = OPTIMIZERS["adamw"]
+    mg = memgraph.compile(model, mixed, batches[0], optimizer=make_opt(trainable(model)), budget=0.9, device="cpu",
+                          planner="none", verbose=False)
+    return model, mixed, batches, make_opt, mg
+
+
+def test_evicted_weight_casts_are_recomputed_bitwise():
+    model, mixed, batches, make_opt, mg = evicting_build()
+    tg = mg.taskgraph  # the plan recomputes nothing: the built graph's TaskGraph is the traced one
+    amended = recompute_evicted(tg, mg.plan, mg, default_costs(tg))
+    assert amended is not None and amended.recompute and not mg.plan.recompute
+    evicted = {mv.value for mv in mg.vertices if mv.kind is Kind.OFFLOAD}
+    for rc in amended.recompute:
+        vertex = tg.vertices[rc.vertex]
+        assert vertex.phase == "forward" and vertex.outputs[0] in evicted
+        assert all(tg.values[x].kind is ValueKind.PARAMETER for x in vertex.inputs())
+    fixed = build(tg, amended, alignment=mg.alignment)
+    verify(fixed)
+    recast = {tg.vertices[rc.vertex].outputs[0] for rc in amended.recompute}
+    reloads = lambda g: {mv.value for mv in g.vertices if mv.kind is Kind.RELOAD}
+    assert recast <= reloads(mg) and not recast & reloads(fixed)  # made again, never fetched back
+    fixed.initial_state, fixed.names, fixed.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
+    fixed.optimizer = CompiledOptimizer(fixed, make_opt(trainable(model)))
+    want_losses, want_state = eager_steps(model, mixed, batches, make_opt)
+    torch.manual_seed(123)
+    got = [engine.run(fixed, b)["loss"] for b in batches]
+    assert all(torch.equal(g, w) for g, w in zip(got, want_losses))
+    assert_same_state(fixed.state_dict(), want_state)
+
+
+def test_nothing_to_amend_without_evictions():
+    model, loss_fn, batches = make_case("gpt")
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=OPTIMIZERS["adamw"](trainable(model)), device="cpu",
+                          verbose=False)  # no budget: everything kept
+    assert recompute_evicted(mg.taskgraph, mg.plan, mg, default_costs(mg.taskgraph)) is None
