@@ -9,8 +9,10 @@ of eager's peak the builder evicted it (196.5 MiB) right after the head, and the
 3.8 ms for it to come back while its offload held up the recompute before it; run again, the
 cast takes 0.2 ms and the step simulates at 196.9 ms instead of 201.4.
 
-``recompute_evicted(tg, plan, mg, costs)`` returns a copy of the plan that recomputes each such
-value just before its first reader after the eviction (a ``Recompute`` the builder expands like
+The planner may offload such a value itself, its model pricing the copy as hidden under compute,
+where the built step shows it is not: those count too. ``recompute_evicted(tg, plan, mg, costs)``
+returns a copy of the plan that recomputes each such value (and no longer offloads it) just before
+its first reader after the eviction (a ``Recompute`` the builder expands like
 the planner's own), or None when the built MemGraph evicted none. Whether the amended plan is
 faster is the simulator's call (memgraph.compile builds and simulates both).
 """
@@ -41,8 +43,9 @@ def recompute_evicted(tg: TaskGraph, plan: Plan, mg: MemGraph, costs) -> Plan | 
             best = first_reload.get(mv.value)
             if best is None or serial_rank[mv.id] < serial_rank[best]:
                 first_reload[mv.value] = mv.id
+    # offloaded by the builder or by the plan itself (whose model may have priced the copy as hidden)
     evicted = {mv.value for mv in mg.vertices
-               if mv.kind is Kind.OFFLOAD and 0 <= mv.value < len(tg.values) and mv.value not in plan.offload
+               if mv.kind is Kind.OFFLOAD and 0 <= mv.value < len(tg.values)
                and not any(p in homes for p in mv.writes.values())}
     readers_of = _data_successors(mg)
     added: list[Recompute] = []
@@ -66,7 +69,8 @@ def recompute_evicted(tg: TaskGraph, plan: Plan, mg: MemGraph, costs) -> Plan | 
         recompute.insert(at, rc)
     log.info("recomputing %d evicted values instead of reloading them: %s", len(added),
              ", ".join(f"{tg.vertices[rc.vertex].op} ({tg.vertices[rc.vertex].module or 'top'})" for rc in added))
-    return dataclasses.replace(plan, recompute=recompute, offload=set(plan.offload),
+    made_again = {tg.vertices[rc.vertex].outputs[0] for rc in added}  # each producer's one output
+    return dataclasses.replace(plan, recompute=recompute, offload=set(plan.offload) - made_again,
                                stats={**plan.stats, "recomputed_instead_of_reloaded": len(added)})
 
 
@@ -77,7 +81,7 @@ def _cheap_producer(tg: TaskGraph, plan: Plan, value: int, costs) -> int | None:
     if val.kind is not ValueKind.INTERMEDIATE or val.producer < 0:
         return None
     vertex = tg.vertices[val.producer]
-    if vertex.phase != "forward" or vertex.random or vertex.copy_in:
+    if vertex.phase != "forward" or vertex.random or vertex.copy_in or [o for o in vertex.outputs if o >= 0] != [value]:
         return None
     inputs = vertex.inputs()
     if not inputs or any(not tg.values[x].kind.is_persistent or plan.home_of(x) != GPU for x in inputs):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from cases import OPTIMIZERS, assert_same_state, bf16_autocast, eager_steps, make_case, trainable
@@ -64,3 +66,39 @@ def test_nothing_to_amend_without_evictions():
     mg = memgraph.compile(model, loss_fn, batches[0], optimizer=OPTIMIZERS["adamw"](trainable(model)), device="cpu",
                           verbose=False)  # no budget: everything kept
     assert recompute_evicted(mg.taskgraph, mg.plan, mg, default_costs(mg.taskgraph)) is None
+
+
+class SlowLink:
+    """Prices copies only: this tiny model's cast (4 KiB) beats a 1 MB/s link, not the analytic one."""
+
+    def transfer_time(self, nbytes: int, direction: str) -> float:
+        return nbytes / 1e6
+
+
+def test_a_cast_the_plan_offloads_is_recomputed_instead():
+    """A plan may offload a weight's bf16 copy itself (its model prices the copy as hidden): the
+    amendment takes it out of plan.offload and recomputes it, bitwise."""
+    model, loss_fn, batches = make_case("gpt")
+    mixed, make_opt = bf16_autocast(loss_fn), OPTIMIZERS["adamw"]
+    kept = memgraph.compile(model, mixed, batches[0], optimizer=make_opt(trainable(model)), device="cpu",
+                            verbose=False)  # no budget: a plan that keeps everything
+    tg = kept.taskgraph
+    readers = tg.consumers()
+    cast = next(v.outputs[0] for v in tg.vertices if v.op == "aten::_to_copy" and v.phase == "forward"
+                and all(tg.values[x].kind is ValueKind.PARAMETER for x in v.inputs())
+                and any(tg.vertices[r].phase == "backward" for r in readers[v.outputs[0]]))
+    plan = dataclasses.replace(kept.plan, offload={cast}, gpu_budget=1 << 40)
+    offloading = build(tg, plan, alignment=kept.alignment)
+    assert cast in {mv.value for mv in offloading.vertices if mv.kind is Kind.RELOAD}
+    amended = recompute_evicted(tg, plan, offloading, SlowLink())
+    assert amended is not None and amended.offload == set()
+    assert [tg.vertices[rc.vertex].outputs[0] for rc in amended.recompute] == [cast]
+    fixed = build(tg, amended, alignment=kept.alignment)
+    assert not any(mv.kind in (Kind.OFFLOAD, Kind.RELOAD) for mv in fixed.vertices)
+    fixed.initial_state, fixed.names, fixed.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
+    fixed.optimizer = CompiledOptimizer(fixed, make_opt(trainable(model)))
+    want_losses, want_state = eager_steps(model, mixed, batches, make_opt)
+    torch.manual_seed(123)
+    got = [engine.run(fixed, b)["loss"] for b in batches]
+    assert all(torch.equal(g, w) for g, w in zip(got, want_losses))
+    assert_same_state(fixed.state_dict(), want_state)
