@@ -26,6 +26,21 @@ def process_threads():
     torch.set_num_threads(torch.get_num_threads())
 
 
+def reloaded(mg) -> set[int]:
+    return {mv.value for mv in mg.vertices if mv.kind is Kind.RELOAD}
+
+
+def trains_as_eager(mg, tg, model, loss_fn, batches, make_opt) -> None:
+    """Run a MemGraph built by hand (with what compile adds) for the batches: bitwise eager's steps."""
+    mg.initial_state, mg.names, mg.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
+    mg.optimizer = CompiledOptimizer(mg, make_opt(trainable(model)))
+    want_losses, want_state = eager_steps(model, loss_fn, batches, make_opt)
+    torch.manual_seed(123)
+    got = [engine.run(mg, b)["loss"] for b in batches]
+    assert all(torch.equal(g, w) for g, w in zip(got, want_losses))
+    assert_same_state(mg.state_dict(), want_state)
+
+
 def evicting_build():
     """A step the builder alone fits into 90% of its peak (planner "none"): under bf16 autocast it
     evicts the bf16 copies of weights that the backward reads again."""
@@ -50,15 +65,8 @@ def test_evicted_weight_casts_are_recomputed_bitwise():
     fixed = build(tg, amended, alignment=mg.alignment)
     verify(fixed)
     recast = {tg.vertices[rc.vertex].outputs[0] for rc in amended.recompute}
-    reloads = lambda g: {mv.value for mv in g.vertices if mv.kind is Kind.RELOAD}
-    assert recast <= reloads(mg) and not recast & reloads(fixed)  # made again, never fetched back
-    fixed.initial_state, fixed.names, fixed.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
-    fixed.optimizer = CompiledOptimizer(fixed, make_opt(trainable(model)))
-    want_losses, want_state = eager_steps(model, mixed, batches, make_opt)
-    torch.manual_seed(123)
-    got = [engine.run(fixed, b)["loss"] for b in batches]
-    assert all(torch.equal(g, w) for g, w in zip(got, want_losses))
-    assert_same_state(fixed.state_dict(), want_state)
+    assert recast <= reloaded(mg) and not recast & reloaded(fixed)  # made again, never fetched back
+    trains_as_eager(fixed, tg, model, mixed, batches, make_opt)
 
 
 def test_nothing_to_amend_without_evictions():
@@ -89,16 +97,10 @@ def test_a_cast_the_plan_offloads_is_recomputed_instead():
                 and any(tg.vertices[r].phase == "backward" for r in readers[v.outputs[0]]))
     plan = dataclasses.replace(kept.plan, offload={cast}, gpu_budget=1 << 40)
     offloading = build(tg, plan, alignment=kept.alignment)
-    assert cast in {mv.value for mv in offloading.vertices if mv.kind is Kind.RELOAD}
+    assert cast in reloaded(offloading)
     amended = recompute_evicted(tg, plan, offloading, SlowLink())
     assert amended is not None and amended.offload == set()
     assert [tg.vertices[rc.vertex].outputs[0] for rc in amended.recompute] == [cast]
     fixed = build(tg, amended, alignment=kept.alignment)
     assert not any(mv.kind in (Kind.OFFLOAD, Kind.RELOAD) for mv in fixed.vertices)
-    fixed.initial_state, fixed.names, fixed.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
-    fixed.optimizer = CompiledOptimizer(fixed, make_opt(trainable(model)))
-    want_losses, want_state = eager_steps(model, mixed, batches, make_opt)
-    torch.manual_seed(123)
-    got = [engine.run(fixed, b)["loss"] for b in batches]
-    assert all(torch.equal(g, w) for g, w in zip(got, want_losses))
-    assert_same_state(fixed.state_dict(), want_state)
+    trains_as_eager(fixed, tg, model, mixed, batches, make_opt)
