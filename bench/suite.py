@@ -38,6 +38,7 @@ from turnip.bench.peers import CUDA_PEERS, PEERS, TORCH_PEERS
 from turnip.bench.peers.common import EAGER_MATH, NOT_INSTALLED, OK, TIMEOUT, PeerResult, Workload, is_cuda
 from turnip.bench.peers.isolated import WorkloadSpec, resolve, run_isolated, write_snapshot
 from turnip.bench.results import run_metadata
+from turnip.bench.trace_waits import explain_gaps, load_units, summarize
 from turnip.ir.budget import BudgetError, format_bytes, parse_budget
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,17 @@ def make_row(model: str, result: PeerResult, budget: float | None) -> dict:
     for key in ("trace", "sim_trace"):  # temporary paths; the kept traces are named in the file's header
         row.pop(key, None)
     return row
+
+
+def idle_by_cause(trace: Path) -> dict:
+    """The compute stream's idle ms by what it waited for (bench/trace_waits.py), in the traced step
+    and in the simulated one, where those traces exist."""
+    out = {}
+    for key, path in (("trace_idle_ms_by_cause", trace),
+                      ("sim_idle_ms_by_cause", trace.with_name(trace.name.removesuffix(".json") + ".sim.json"))):
+        if path.exists():
+            out[key] = summarize(explain_gaps(load_units(path)))
+    return out
 
 
 # -- comparisons between rows ---------------------------------------------------------------------
@@ -325,7 +337,7 @@ def run_systems(cfg: SuiteConfig, runner: Runner, systems: list[str], label: str
         trace = scratch / f"{budget}.json"
         result = runner.run("turnip", budget=budget, eager_peak=eager_peak, eager_step_s=eager_step,
                             trace_path=str(trace), planner=cfg.planner, planner_options=cfg.planner_options)
-        file.add(make_row(label, result, budget))
+        file.add({**make_row(label, result, budget), **idle_by_cause(trace)})
         if result.status == OK and (trace.exists() or trace.with_name(f"{budget}.sim.json").exists()):
             best = trace
     if best is not None:

@@ -6,7 +6,8 @@ A trace written by engine.run(..., trace=...) or by the simulator (engine/timing
 every unit (a segment or one vertex), the units it waits for (args "after") and when the host
 launched it (args "launched", where the backend records it). A unit starts at the latest of three
 times: its predecessors' ends, the end of the unit before it on its own stream, and its launch.
-For each gap on the compute stream this names which of them came last:
+For each gap in a device's compute (no compute stream of it running anything) this names which of
+them came last for the unit that ended the gap:
 
 - ``waits for <kind>``: a predecessor on another stream (a reload, an offload whose freed bytes the
   unit writes, ...) ended last; its name and size are listed;
@@ -33,15 +34,15 @@ def load_units(path: Path) -> list[dict]:
 
 
 def explain_gaps(units: list[dict], min_gap_us: float = 20.0) -> list[dict]:
-    """One row per gap of at least ``min_gap_us`` on the compute stream(s), largest first."""
+    """One row per gap of at least ``min_gap_us`` in a device's compute, largest first: a time when
+    none of its compute streams ran anything (the CPU backend's several compute lanes count as one)."""
     by_vertex = {e["args"]["vertex"]: e for e in units}
-    lanes: dict[tuple, list[dict]] = collections.defaultdict(list)
+    devices: dict[int, list[dict]] = collections.defaultdict(list)
     for e in units:
-        lanes[(e["pid"], e["tid"])].append(e)
+        if e["cat"] == "compute":
+            devices[e["pid"]].append(e)
     rows = []
-    for lane in lanes.values():
-        if lane[0]["cat"] != "compute" and not any(e["cat"] == "compute" for e in lane):
-            continue
+    for lane in devices.values():
         lane.sort(key=lambda e: e["ts"])
         prev_end = lane[0]["ts"]
         for e in lane:

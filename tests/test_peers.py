@@ -130,6 +130,10 @@ def test_suite_tiny_end_to_end(tmp_path):
     assert turnip["planner_options"] == {"reload_room": True}  # reached compile (which refuses unknown options)
     assert turnip["max_loss_diff"] == 0.0 and turnip["math"] == "eager"  # CPU backend: bitwise eager numbers
     assert turnip["sim_step_s"] > 0 and turnip["floor_s"] > 0
+    # the compute's idle time by cause, read from each budget's traces (bench/trace_waits.py)
+    for row in (turnip, rows[("turnip", 1.0)]):
+        for key in ("trace_idle_ms_by_cause", "sim_idle_ms_by_cause"):
+            assert isinstance(row[key], dict) and all(ms >= 0 for ms in row[key].values())
     assert (tmp_path / "trace_gpt350m-tiny.json").exists() and (tmp_path / "trace_gpt350m-tiny.sim.json").exists()
     pytest.importorskip("matplotlib")
     for png in ("gpt350m-tiny_step_time.png", "gpt350m-tiny_timeline.png", "gpt350m-tiny_pareto.png"):
