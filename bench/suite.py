@@ -38,7 +38,7 @@ from turnip.bench.peers import CUDA_PEERS, PEERS, TORCH_PEERS
 from turnip.bench.peers.common import EAGER_MATH, NOT_INSTALLED, OK, TIMEOUT, PeerResult, Workload, is_cuda
 from turnip.bench.peers.isolated import WorkloadSpec, resolve, run_isolated, write_snapshot
 from turnip.bench.results import run_metadata
-from turnip.bench.trace_waits import explain_gaps, load_units, summarize
+from turnip.bench.trace_waits import explain_gaps, load_units, simulated_beside, summarize
 from turnip.ir.budget import BudgetError, format_bytes, parse_budget
 
 log = logging.getLogger(__name__)
@@ -167,8 +167,7 @@ def idle_by_cause(trace: Path) -> dict:
     """The compute stream's idle ms by what it waited for (bench/trace_waits.py), in the traced step
     and in the simulated one, where those traces exist."""
     out = {}
-    for key, path in (("trace_idle_ms_by_cause", trace),
-                      ("sim_idle_ms_by_cause", trace.with_name(trace.name.removesuffix(".json") + ".sim.json"))):
+    for key, path in (("trace_idle_ms_by_cause", trace), ("sim_idle_ms_by_cause", simulated_beside(trace))):
         if path.exists():
             out[key] = summarize(explain_gaps(load_units(path)))
     return out

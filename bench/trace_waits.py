@@ -33,6 +33,11 @@ def load_units(path: Path) -> list[dict]:
     return [e for e in doc["traceEvents"] if e.get("ph") == "X"]
 
 
+def simulated_beside(trace: Path) -> Path:
+    """Where the suite keeps the simulator's trace of the step a measured trace shows."""
+    return trace.with_name(trace.name.removesuffix(".json") + ".sim.json")
+
+
 def explain_gaps(units: list[dict], min_gap_us: float = 20.0) -> list[dict]:
     """One row per gap of at least ``min_gap_us`` in a device's compute, largest first: a time when
     none of its compute streams ran anything (the CPU backend's several compute lanes count as one)."""
@@ -103,7 +108,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     path = Path(args.trace)
     results = [report(path, args.top)]
-    sim = path.with_name(path.name.removesuffix(".json") + ".sim.json")
+    sim = simulated_beside(path)
     if not path.name.endswith(".sim.json") and sim.exists():
         results.append(report(sim, args.top))
     if args.json:

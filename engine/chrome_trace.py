@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from turnip.engine.loop import Record
+from turnip.engine.loop import Record, StaticGraph
 from turnip.ir.describe import short_name
 from turnip.ir.memgraph import Kind, MemGraph
 
@@ -28,16 +28,10 @@ def vertex_bytes(mg: MemGraph, vid: int) -> int:
 
 def unit_predecessors(mg: MemGraph) -> dict[int, list[int]]:
     """Per unit (named by its first vertex, as records name it): the units it waits for, by their
-    first vertices. A segment of mg.segments is one unit; every other vertex is its own."""
-    head = list(range(len(mg.vertices)))
-    for seg in mg.segments:
-        for vid in seg:
-            head[vid] = seg[0]
-    after: dict[int, set[int]] = {vid: set() for vid in set(head)}
-    for src, dst, _ in mg.edges:
-        if head[src] != head[dst]:
-            after[head[dst]].add(head[src])
-    return {vid: sorted(s) for vid, s in after.items()}
+    first vertices (the loop's own units, engine/loop.py StaticGraph)."""
+    graph = StaticGraph(mg)
+    head = graph.head
+    return {head[u]: sorted(head[p] for p in preds) for u, preds in enumerate(graph.predecessors())}
 
 
 def trace_events(mg: MemGraph, records: list[Record], keys: list, origin: float,

@@ -37,7 +37,7 @@ WORKSPACE = "workspace"  # the name StaticGraph.needs gives the WorkspacePool
 # no overlap in 108 ms of copies): the copy engine then chooses between the two streams' queues,
 # which may hold an urgent copy behind another stream's (4 ms in that trace), but one stream, where
 # the copies run strictly in the order the loop queued them, measured slower on the same MemGraph,
-# 217.9 ms against 212.2 (bench/results/h100/engine_variants_gpt1.3b.json, simulated 211.9 and 201.0).
+# 217.9 ms against 212.2 (bench/results/h100/engine_variants_gpt1.3b_streams.json, simulated 211.9 and 201.0).
 # One host lane: a CPU optimizer update already spreads over every core (torch's intra-op threads).
 DEFAULT_STREAMS = {
     "cpu": {Stream.COMPUTE: 2, Stream.H2D: 1, Stream.D2H: 1, Stream.HOST: 1},

@@ -1,4 +1,4 @@
-"""Make again, rather than fetch back, what the builder had to evict: a plan amendment.
+"""Make again, rather than fetch back, what the built step offloads: a plan amendment.
 
 The planner prices memory with a model; the builder (memgraph/horizons.py) packs the real arena
 and, where the plan's values do not fit, evicts some: it offloads the value and reloads it before
@@ -13,7 +13,7 @@ The planner may offload such a value itself, its model pricing the copy as hidde
 where the built step shows it is not: those count too. ``recompute_evicted(tg, plan, mg, costs)``
 returns a copy of the plan that recomputes each such value (and no longer offloads it) just before
 its first reader after the eviction (a ``Recompute`` the builder expands like
-the planner's own), or None when the built MemGraph evicted none. Whether the amended plan is
+the planner's own), or None when nothing the built MemGraph offloads qualifies. Whether the amended plan is
 faster is the simulator's call (memgraph.compile builds and simulates both).
 """
 

@@ -50,7 +50,7 @@ SECONDS_PER_BINARY = 5e-4
 # 10 ms the gpt1.3b problem at 50% (3,918 binaries) sometimes stopped before HiGHS's local search
 # found the plan that simulates at 201 ms (it took 29 s of one core here, 39 s were given, the four
 # problems share the cores), and compile fell back on a 226 ms one (bench/results/h100/
-# engine_variants_gpt1.3b.json against suite_gpt1.3b_s14.json, one machine type).
+# engine_variants_gpt1.3b_streams_c41.json against suite_gpt1.3b_s14.json, one machine type).
 SECONDS_PER_BINARY_MEASURED = 1.5e-2
 TIME_LIMIT_FLOOR = 1.0
 TIME_LIMIT_CAP = 60.0
