@@ -269,7 +269,8 @@ def transfer_bytes(mg: MemGraph) -> tuple[int, int]:
 def step_floor(mg: MemGraph, costs: Any = None, bandwidth: Any = None, *, host_per_vertex: float | None = None,
                backend: str = "cuda") -> dict:
     """Lower bound on the step: max(compute incl. recompute and copies, bytes in / H2D bw, bytes out / D2H bw,
-    vertices x host seconds per launch) as "floor"; "floor_both_ways" adds (bytes in + bytes out) /
+    vertices x host seconds per launch, the host lane's optimizer updates one after another) as
+    "floor"; "floor_both_ways" adds (bytes in + bytes out) /
     the link's duplex rate where one is known (both directions at once move less than their two
     one-way rates added: 89.4 GB/s on the H100 against 2 x 55.2), a bound just as hard and tighter
     for steps that move much both ways. ``host_per_vertex`` and ``backend`` as in ``simulate``."""
@@ -277,10 +278,12 @@ def step_floor(mg: MemGraph, costs: Any = None, bandwidth: Any = None, *, host_p
     durations = nominal_durations(mg, costs, bandwidth)
     h2d, d2h = link_bandwidths(model, bandwidth)
     compute = sum(d for mv, d in zip(mg.vertices, durations) if mv.stream is Stream.COMPUTE)
+    # the host lane runs its updates one at a time, each on all of its cores (engine/host_lane.py)
+    host_updates = sum(d for mv, d in zip(mg.vertices, durations) if mv.stream is Stream.HOST)
     b_in, b_out = transfer_bytes(mg)
     # the host launches every vertex one after another, and the last launch ends before its vertex does
     host = len(mg.vertices) * host_seconds(costs, host_per_vertex, backend)
-    parts = {"compute": compute, "h2d": b_in / h2d, "d2h": b_out / d2h, "host": host}
+    parts = {"compute": compute, "h2d": b_in / h2d, "d2h": b_out / d2h, "host": host, "host_updates": host_updates}
     both = (h2d + d2h) * both_ways_share(model, bandwidth)
     both_ways = (b_in + b_out) / both if both < h2d + d2h else 0.0
     return {**parts, "both_ways": both_ways, "floor": max(parts.values()),

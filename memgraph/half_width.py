@@ -42,7 +42,7 @@ def halve_frozen_casts(tg: TaskGraph) -> int:
             continue
         new = tg.add_value(val.shape, val.stride, dtype, val.nbytes * dtype.itemsize // val.dtype.itemsize,
                            ValueKind.FROZEN,
-                           name=f"{val.name}:{str(dtype).removeprefix('torch.')}")
+                           name=f"{val.name}:{_dtype_name(dtype)}")
         tg.initial_state[new] = tg.initial_state[val.id].detach().to(dtype)
 
         def swap(ref: TensorRef, old=val.id, new=new) -> TensorRef:
@@ -54,6 +54,16 @@ def halve_frozen_casts(tg: TaskGraph) -> int:
     if halved:
         log.info("%d frozen weights read only through a cast kept in the cast's dtype", halved)
     return halved
+
+
+def half_width_values(tg: TaskGraph) -> list[int]:
+    """The frozen values halve_frozen_casts made: each named after its original and its dtype."""
+    return [val.id for val in tg.values if val.kind is ValueKind.FROZEN and val.dtype.is_floating_point
+            and val.name.endswith(":" + _dtype_name(val.dtype))]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _only_cast_dtype(tg: TaskGraph, val, readers: list) -> torch.dtype | None:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turnip.engine.timing_sim import transfer_bytes
 from turnip.ir.budget import budget_fields, format_bytes
 from turnip.ir.memgraph import Kind, MemGraph
+from turnip.ir.taskgraph import ValueKind
+from turnip.memgraph.half_width import half_width_values
 
 CPU = "cpu"
 
@@ -33,6 +36,20 @@ class PlanMix:
     homed_on_cpu: int = 0  # weights and optimizer states living in pinned CPU memory between steps
     bytes_homed_on_cpu: int = 0
     bytes_moved: int = 0  # bytes crossing the host<->device link per step, both ways
+    bytes_h2d: int = 0  # of those, host to device (reloads, fetches of CPU homes, the batch)
+    bytes_d2h: int = 0  # device to host (offloads, write-backs, gradients of host updates, outputs)
+    # trainable parameters by where the step updates them: homed on the GPU; homed on the CPU and
+    # fetched, with their optimizer states, for an update on the GPU; updated by the host's cores
+    parameters_kept: int = 0
+    bytes_parameters_kept: int = 0
+    parameters_streamed: int = 0
+    bytes_parameters_streamed: int = 0
+    parameters_host_stepped: int = 0
+    bytes_parameters_host_stepped: int = 0
+    # frozen weights kept, and fetched, in the narrower dtype of their only casts (memgraph/half_width.py)
+    half_width_weights: int = 0
+    bytes_half_width: int = 0
+    loss_blocks: int = 1  # row blocks of the loss head (memgraph/split.py; 1: not split)
 
 
 def plan_mix(mg: MemGraph) -> PlanMix:
@@ -63,6 +80,25 @@ def plan_mix(mg: MemGraph) -> PlanMix:
     mix.bytes_homed_on_cpu = sum(tg.values[v].nbytes for v in cpu_homes if 0 <= v < len(tg.values))
     mix.bytes_moved = sum(p.nbytes for v in mg.vertices if v.kind in (Kind.OFFLOAD, Kind.RELOAD)
                           for p in v.writes.values())
+    mix.bytes_h2d, mix.bytes_d2h = transfer_bytes(mg)
+    host_stepped = {old for vid in mg.plan.host_update if 0 <= vid < len(tg.vertices)
+                    for old, _new in tg.vertices[vid].copy_in}
+    for value in tg.values:
+        if value.kind is not ValueKind.PARAMETER:
+            continue
+        if value.id in host_stepped:
+            mix.parameters_host_stepped += 1
+            mix.bytes_parameters_host_stepped += value.nbytes
+        elif value.id in cpu_homes:
+            mix.parameters_streamed += 1
+            mix.bytes_parameters_streamed += value.nbytes
+        else:
+            mix.parameters_kept += 1
+            mix.bytes_parameters_kept += value.nbytes
+    halved = half_width_values(tg)
+    mix.half_width_weights = len(halved)
+    mix.bytes_half_width = sum(tg.values[v].nbytes for v in halved)
+    mix.loss_blocks = int(mg.stats.get("loss_blocks", 1))
     return mix
 
 
@@ -105,6 +141,7 @@ def compile_report(mg: MemGraph) -> str:
         f"{mix.recomputed} recomputed ({format_bytes(mix.bytes_recomputed)});",
         f"{mix.homed_on_cpu} weights and optimizer states live in CPU memory ({format_bytes(mix.bytes_homed_on_cpu)}).",
         f"{format_bytes(mix.bytes_moved)} cross the host-device link per step;",
+        *_parameter_fates(mix),
         f"{predicted_step(mg)}.",
     ]
     blocks = mg.stats.get("loss_blocks", 1)
@@ -112,3 +149,12 @@ def compile_report(mg: MemGraph) -> str:
         parts.append(f"The loss head runs in {blocks} row blocks (the budget is below the unsplit step's "
                      f"smallest): eager's numbers within float tolerance, not bit for bit.")
     return " ".join(parts)
+
+
+def _parameter_fates(mix: PlanMix) -> list[str]:
+    """The report's words on trainable parameters streamed or updated by the host (none: nothing)."""
+    if not (mix.parameters_streamed or mix.parameters_host_stepped):
+        return []
+    return [f"of the trainable parameters, {mix.parameters_streamed} are streamed "
+            f"({format_bytes(mix.bytes_parameters_streamed)}) and {mix.parameters_host_stepped} updated by the "
+            f"host's cores ({format_bytes(mix.bytes_parameters_host_stepped)});"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from turnip.bench.models import mlp
 from turnip.ir.memgraph import Kind
+from turnip.ir.taskgraph import ValueKind
 from turnip.ir.plan import Plan, Recompute
 from turnip.memgraph import progress
 from turnip.memgraph.occupancy import PHASES, arena_timeline, memory_by_phase
@@ -69,6 +70,13 @@ def test_plan_mix_of_a_planned_step_counts_what_moves(planned):
     assert mix.kept + mix.offloaded + mix.recomputed < mix.values  # the CPU-homed ones are counted apart
     moved = {v.value for v in planned.vertices if v.kind is Kind.OFFLOAD}
     assert moved, "a 40% budget should offload"
+    assert mix.bytes_h2d + mix.bytes_d2h >= mix.bytes_moved  # the batch and the loss cross it too
+    assert mix.bytes_h2d == sum(planned.taskgraph.values[v.value].nbytes for v in planned.vertices
+                                if v.kind in (Kind.RELOAD, Kind.INPUT))
+    params = [v for v in planned.taskgraph.values if v.kind is ValueKind.PARAMETER]
+    streamed = [v for v in params if v.id in planned.homes and planned.homes[v.id].where == "cpu"]
+    assert (mix.parameters_streamed, mix.parameters_kept) == (len(streamed), len(params) - len(streamed))
+    assert mix.parameters_host_stepped == 0 and mix.half_width_weights == 0 and mix.loss_blocks == 1
 
 
 def test_plan_mix_counts_recomputed_values():

@@ -9,11 +9,13 @@ from cases import assert_same_state, eager_steps, make_case, trainable
 
 from turnip import engine, memgraph
 from turnip.engine.host_lane import HostStream
-from turnip.engine.timing_sim import simulate
+from turnip.engine.timing_sim import simulate, step_floor
 from turnip.ir.memgraph import Kind, Stream
 from turnip.ir.plan import CPU, Plan
+from turnip.ir.taskgraph import ValueKind
 from turnip.kernels.threads import host_threads
 from turnip.memgraph.build import build
+from turnip.memgraph.report import plan_mix
 from turnip.memgraph.verify import verify
 from turnip.planners.host_update import fused_updates, host_update_candidates, with_host_updates
 
@@ -48,6 +50,10 @@ def test_every_update_on_the_host_matches_eager(gpt, budget):
     assert not any(mv.kind is Kind.OFFLOAD and mv.writes and next(iter(mv.writes.values())) in mg.homes.values()
                    for mv in mg.vertices)
     assert verify(mg) == []
+    mix = plan_mix(mg)
+    params = [v for v in mg.taskgraph.values if v.kind is ValueKind.PARAMETER]
+    assert (mix.parameters_host_stepped, mix.parameters_streamed, mix.parameters_kept) == (len(params), 0, 0)
+    assert mix.bytes_parameters_host_stepped == sum(v.nbytes for v in params)
     for ordering, seed in [("deterministic", None), ("nondeterministic", None), ("random", 1), ("random", 2)]:
         losses, state = run_steps(mg, batches, ordering, seed)
         assert losses == want_losses, f"{ordering} {seed}"
@@ -88,6 +94,9 @@ def test_host_lane_is_simulated_at_the_host_rate(gpt):
     params = sum(p.numel() for p in trainable(model))
     assert sim.step_time >= params
     assert any(entry[1].startswith("host") for entry in sim.timeline)
+    floor = step_floor(mg, Rates(), backend="cpu")  # the host lane's work is the floor here
+    assert floor["host_updates"] == pytest.approx(params) and floor["floor"] == floor["host_updates"]
+    assert sim.step_time >= floor["floor"] * (1 - 1e-9)
 
 
 def test_candidates_add_host_variants_and_refuse_unknown_modes(gpt):

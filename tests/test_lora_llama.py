@@ -11,6 +11,7 @@ import torch
 from turnip.ir.taskgraph import ValueKind
 
 from turnip import engine, memgraph
+from turnip.memgraph.report import plan_mix
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -73,3 +74,8 @@ def test_frozen_base_weights_read_through_casts_are_kept_half_width():
                for mv in reloaded for p in mv.writes.values())
     embed = [v for v in tg.values if v.kind is ValueKind.FROZEN and "embed_tokens" in v.name]
     assert embed and all(v.dtype == torch.float32 and v.id in mg.homes for v in embed)
+    mix = plan_mix(mg)  # what the suite's rows and `turnip info` report
+    assert (mix.half_width_weights, mix.bytes_half_width) == (len(halves), sum(h.nbytes for h in halves))
+    trainable_ids = {v.id for v in tg.values if v.kind is ValueKind.PARAMETER}
+    assert mix.parameters_kept + mix.parameters_streamed + mix.parameters_host_stepped == len(trainable_ids) > 0
+    assert mix.parameters_host_stepped == 0

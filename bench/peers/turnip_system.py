@@ -3,7 +3,8 @@
 Besides the peers' fields it records compile time (apart from step time), the
 MemGraph's facts (arena, vertices, bytes planned each way), the simulator's
 prediction of the step, and turnip's *floor*: the step cannot be faster than
-max(compute incl. recompute, bytes in / H2D bandwidth, bytes out / D2H bandwidth).
+max(compute incl. recompute, bytes in / H2D bandwidth, bytes out / D2H bandwidth, the host's
+optimizer updates one after another where the plan runs some there).
 """
 
 from __future__ import annotations
@@ -76,12 +77,14 @@ def floor_and_sim(mg, device, eager_step_s: float | None, sim_trace: Path | None
     else:
         compute, basis = eager_compute, "eager step x recompute share (no link on the CPU)"
         link = (None, None)
-    parts = [x for x in (compute, *link) if x is not None]
+    # the host's optimizer updates (Plan.host_update) run one after another on the host lane
+    host_updates = fl["host_updates"] if is_cuda(device) else None
+    parts = [x for x in (compute, *link, host_updates) if x is not None]
     if is_cuda(device):  # both directions at once share the link's duplex rate (measured on CUDA only)
         out.update(floor_both_ways_link_s=fl["both_ways"],
                    floor_with_duplex_s=max([*parts, fl["both_ways"]]) if parts else None)
     out.update(floor_s=max(parts) if parts else None, floor_compute_s=compute, floor_h2d_s=link[0],
-               floor_d2h_s=link[1], floor_basis=basis, floor_compute_eager_s=eager_compute,
+               floor_d2h_s=link[1], floor_host_updates_s=host_updates, floor_basis=basis, floor_compute_eager_s=eager_compute,
                floor_compute_model_s=fl["compute"], recompute_vertices=total - original)
     sim = simulate(mg, costs, backend="cuda")  # the CUDA engine's model, whatever device compiled it
     out.update(sim_step_s=sim.step_time, sim_compute_idle_s=sim.compute_idle,
