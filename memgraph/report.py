@@ -155,6 +155,7 @@ def _parameter_fates(mix: PlanMix) -> list[str]:
     """The report's words on trainable parameters streamed or updated by the host (none: nothing)."""
     if not (mix.parameters_streamed or mix.parameters_host_stepped):
         return []
-    return [f"of the trainable parameters, {mix.parameters_streamed} are streamed "
-            f"({format_bytes(mix.bytes_parameters_streamed)}) and {mix.parameters_host_stepped} updated by the "
-            f"host's cores ({format_bytes(mix.bytes_parameters_host_stepped)});"]
+    words = (f"of the trainable parameters, {mix.parameters_streamed} are streamed "
+             f"({format_bytes(mix.bytes_parameters_streamed)}) and {mix.parameters_host_stepped} updated by the "
+             f"host's cores ({format_bytes(mix.bytes_parameters_host_stepped)});")
+    return [words]

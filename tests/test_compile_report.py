@@ -10,8 +10,8 @@ import pytest
 import torch
 from turnip.bench.models import mlp
 from turnip.ir.memgraph import Kind
-from turnip.ir.taskgraph import ValueKind
 from turnip.ir.plan import Plan, Recompute
+from turnip.ir.taskgraph import ValueKind
 from turnip.memgraph import progress
 from turnip.memgraph.occupancy import PHASES, arena_timeline, memory_by_phase
 from turnip.memgraph.report import compile_report, plan_mix

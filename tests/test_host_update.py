@@ -6,8 +6,6 @@ import dataclasses
 import pytest
 import torch
 from cases import assert_same_state, eager_steps, make_case, trainable
-
-from turnip import engine, memgraph
 from turnip.engine.host_lane import HostStream
 from turnip.engine.timing_sim import simulate, step_floor
 from turnip.ir.memgraph import Kind, Stream
@@ -18,6 +16,8 @@ from turnip.memgraph.build import build
 from turnip.memgraph.report import plan_mix
 from turnip.memgraph.verify import verify
 from turnip.planners.host_update import fused_updates, host_update_candidates, with_host_updates
+
+from turnip import engine, memgraph
 
 
 def make_opt(params):

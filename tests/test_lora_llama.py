@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 from turnip.ir.taskgraph import ValueKind
+from turnip.memgraph.report import plan_mix
 
 from turnip import engine, memgraph
-from turnip.memgraph.report import plan_mix
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
