@@ -18,7 +18,8 @@ import queue
 import threading
 from collections.abc import Callable
 
-from turnip.kernels.threads import set_kernel_threads
+import torch
+from turnip.kernels.threads import kernel_threads
 
 
 class HostDone:
@@ -53,6 +54,7 @@ class HostStream:
         self._idle = threading.Condition()
         self._pending = 0
         self._threads = threads
+        self._restore = torch.get_num_threads()  # the process's count, set back after each job
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -62,14 +64,16 @@ class HostStream:
         self._jobs.put(job)
 
     def _work(self) -> None:
-        if self._threads is not None:
-            set_kernel_threads(self._threads)
         while True:
             job = self._jobs.get()
             if job is None:
                 return
             try:
-                job()  # a job reports its own failure (CudaRuntime._host_job): nothing escapes here
+                if self._threads is None:
+                    job()  # a job reports its own failure (CudaRuntime._host_job): nothing escapes here
+                else:
+                    with kernel_threads(self._threads, self._restore):
+                        job()
             finally:
                 with self._idle:
                     self._pending -= 1

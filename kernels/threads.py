@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 
@@ -13,10 +16,19 @@ def host_threads() -> int:
     return max(1, torch.get_num_threads() - 1)
 
 
-def set_kernel_threads(threads: int) -> None:
-    """The intra-op thread count of kernels the calling thread runs: torch.set_num_threads, whose
-    OpenMP part is a setting of the calling thread. Its MKL part is the process's: a CPU matmul
-    elsewhere then also runs on ``threads`` threads (the host lane is created only for plans with
-    host updates). Setting OpenMP's count alone, through ctypes, measured slower on the H100 machine
-    (gpt350m at 25% with every update on the host: 274 ms this way, 424 and 509 ms through ctypes)."""
+@contextlib.contextmanager
+def kernel_threads(threads: int, restore: int) -> Iterator[None]:
+    """Run the calling thread's kernels on ``threads`` intra-op threads, then set ``restore`` again.
+
+    torch.set_num_threads sets OpenMP's count for the calling thread and, with some MKL builds (the
+    H100 machine's), MKL's for the whole process: left at ``threads``, a CPU matmul anywhere in the
+    process would run on that many threads afterwards, and sum differently from eager's (a CPU test
+    that ran after a CUDA test's host lane differed from eager by 7e-10,
+    bench/results/h100/cuda_tests_decf6b0.txt). So the count is set back after every job. Setting
+    OpenMP's count alone, through ctypes, measured slower on the H100 machine (gpt350m at 25% with
+    every update on the host: 274 ms this way, 424 and 509 ms through ctypes)."""
     torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(restore)

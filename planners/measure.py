@@ -17,7 +17,7 @@ import torch
 from turnip.ir.taskgraph import TaskGraph, TensorRef, Vertex
 from turnip.kernels.capture import captured
 from turnip.kernels.launch import PreparedVertex
-from turnip.kernels.threads import host_threads, set_kernel_threads
+from turnip.kernels.threads import host_threads, kernel_threads
 from turnip.kernels.views import ref_view
 
 log = logging.getLogger(__name__)
@@ -252,17 +252,17 @@ def measure_host_update(device: str | None = None, elements: int = 1 << 26, runs
     beside = device is not None and str(device).startswith("cuda")
     samples: list[float] = []
 
-    def measure() -> None:  # on a thread of its own, like the host lane, whose thread count it takes
-        set_kernel_threads(threads)
-        update()
-        samples.extend(_beside_copies(torch.device(device), update, runs) if beside else
-                       (update() for _ in range(runs)))
-
     before = torch.get_num_threads()
+
+    def measure() -> None:  # on a thread of its own, like the host lane, whose thread count it takes
+        with kernel_threads(threads, before):
+            update()
+            samples.extend(_beside_copies(torch.device(device), update, runs) if beside else
+                           (update() for _ in range(runs)))
+
     worker = threading.Thread(target=measure, name="turnip-measure-host")
     worker.start()
     worker.join()
-    torch.set_num_threads(before)  # MKL's count is the process's: put it back
     rate = elements / statistics.median(samples)
     log.info("CPU AdamW step: %.2f G parameters/s on %d threads%s", rate / 1e9, threads,
              " beside pinned copies both ways" if beside else "")

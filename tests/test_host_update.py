@@ -2,6 +2,7 @@
 the CPU backend, bitwise against eager's fused AdamW (the same CPU kernel)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -121,19 +122,27 @@ def test_a_host_update_that_is_not_homed_on_the_cpu_is_refused(gpt):
         build(tg, Plan(gpu_budget=1 << 40, planner="none", host_update={some}), alignment=64)
 
 
+def mkl_threads() -> int | None:
+    """MKL's thread count as the calling thread sees it (None: torch built without MKL)."""
+    found = re.search(r"mkl_get_max_threads\(\) : (\d+)", torch.__config__.parallel_info())
+    return int(found.group(1)) if found else None
+
+
 def test_the_host_lane_runs_its_kernels_on_fewer_threads_than_the_loop():
     """The CUDA backend's host lane leaves a core to the loop thread, which polls events; the loop
-    thread's own OpenMP count stays as it was."""
-
-    before = torch.get_num_threads()
+    thread's own OpenMP count stays as it was, and so does MKL's, which some builds keep per process
+    (the H100 machine's: a CPU step that ran after a CUDA test's host lane summed differently from
+    eager's, bench/results/h100/cuda_tests_decf6b0.txt)."""
+    before, mkl_before = torch.get_num_threads(), mkl_threads()
     lane = HostStream("test-host", threads=1)
     seen = []
     lane.submit(lambda: seen.append(torch.get_num_threads()))
     lane.synchronize()
+    assert (torch.get_num_threads(), mkl_threads()) == (before, mkl_before)  # between jobs too
+    lane.submit(lambda: seen.append(torch.get_num_threads()))
     lane.close()
-    assert seen == [1]
-    assert torch.get_num_threads() == before
-    torch.set_num_threads(before)  # MKL's count is the process's (kernels/threads.py): later tests sum as eager
+    assert seen == [1, 1]
+    assert (torch.get_num_threads(), mkl_threads()) == (before, mkl_before)
     assert host_threads() == max(1, before - 1)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 from cases import OPTIMIZERS, assert_same_state, bf16_autocast, eager_steps, make_case, trainable
 from turnip.ir.memgraph import Kind
@@ -16,14 +15,6 @@ from turnip.memgraph.verify import verify
 from turnip.planners.costs import default_costs
 
 from turnip import engine, memgraph
-
-
-@pytest.fixture(autouse=True)
-def process_threads():
-    """The CPU step sums as eager only with MKL's thread count (the process's) equal to the loop's
-    OpenMP count: a CUDA test's host lane sets MKL's to one fewer (kernels/threads.py), and on a
-    16-core host ln_f.bias then differed from eager's by 7e-10 when this file ran after tests/test_cuda.py."""
-    torch.set_num_threads(torch.get_num_threads())
 
 
 def reloaded(mg) -> set[int]:
