@@ -67,15 +67,8 @@ def plan_mix(mg: MemGraph) -> PlanMix:
         mix.values += 1
         if value.id in streamed:
             continue  # counted with the CPU homes below
-        if value.id in recomputed:
-            mix.recomputed += 1
-            mix.bytes_recomputed += value.nbytes
-        elif value.id in moved:
-            mix.offloaded += 1
-            mix.bytes_offloaded += value.nbytes
-        else:
-            mix.kept += 1
-            mix.bytes_kept += value.nbytes
+        fate = "recomputed" if value.id in recomputed else "offloaded" if value.id in moved else "kept"
+        _count(mix, fate, value.nbytes)
     mix.homed_on_cpu = len(cpu_homes)
     mix.bytes_homed_on_cpu = sum(tg.values[v].nbytes for v in cpu_homes if 0 <= v < len(tg.values))
     mix.bytes_moved = sum(p.nbytes for v in mg.vertices if v.kind in (Kind.OFFLOAD, Kind.RELOAD)
@@ -84,22 +77,20 @@ def plan_mix(mg: MemGraph) -> PlanMix:
     host_stepped = {old for vid in mg.plan.host_update if 0 <= vid < len(tg.vertices)
                     for old, _new in tg.vertices[vid].copy_in}
     for value in tg.values:
-        if value.kind is not ValueKind.PARAMETER:
-            continue
-        if value.id in host_stepped:
-            mix.parameters_host_stepped += 1
-            mix.bytes_parameters_host_stepped += value.nbytes
-        elif value.id in cpu_homes:
-            mix.parameters_streamed += 1
-            mix.bytes_parameters_streamed += value.nbytes
-        else:
-            mix.parameters_kept += 1
-            mix.bytes_parameters_kept += value.nbytes
+        if value.kind is ValueKind.PARAMETER:
+            where = "host_stepped" if value.id in host_stepped else "streamed" if value.id in cpu_homes else "kept"
+            _count(mix, f"parameters_{where}", value.nbytes)
     halved = half_width_values(tg)
     mix.half_width_weights = len(halved)
     mix.bytes_half_width = sum(tg.values[v].nbytes for v in halved)
     mix.loss_blocks = int(mg.stats.get("loss_blocks", 1))
     return mix
+
+
+def _count(mix: PlanMix, field: str, nbytes: int) -> None:
+    """One more tensor of ``nbytes`` in ``field`` (and its ``bytes_`` twin)."""
+    setattr(mix, field, getattr(mix, field) + 1)
+    setattr(mix, f"bytes_{field}", getattr(mix, f"bytes_{field}") + nbytes)
 
 
 def predicted_step(mg: MemGraph) -> str:
