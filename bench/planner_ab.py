@@ -54,7 +54,8 @@ def main(argv=None) -> int:
         mg.release()  # one arena and one pinned storage at a time
         builds[name] = mg
         moved_in, moved_out = transfer_bytes(mg)
-        rows[name] = {"options": options, "planner": mg.plan.planner, "simulated_s": simulate(mg, costs, backend="cuda").step_time,
+        rows[name] = {"options": options, "planner": mg.plan.planner,
+                      "simulated_s": simulate(mg, costs, backend="cuda").step_time,
                       "bytes_h2d": moved_in, "bytes_d2h": moved_out, "compile_s": mg.stats.get("compile_seconds"),
                       "steps_s": []}
     run_alternately(builds, rows, batch, args.rounds, args.steps, args.warmup)

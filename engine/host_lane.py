@@ -14,6 +14,7 @@ torch's CPU kernels release the GIL, so the loop thread keeps launching while th
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -69,11 +70,10 @@ class HostStream:
             if job is None:
                 return
             try:
-                if self._threads is None:
+                threads = (contextlib.nullcontext() if self._threads is None
+                           else kernel_threads(self._threads, self._restore))
+                with threads:
                     job()  # a job reports its own failure (CudaRuntime._host_job): nothing escapes here
-                else:
-                    with kernel_threads(self._threads, self._restore):
-                        job()
             finally:
                 with self._idle:
                     self._pending -= 1

@@ -254,8 +254,8 @@ def undonated_if_it_fits(traced: TaskGraph, gpu_budget: int, alignment: int, cos
     through other strides or a broadcast (Llama's rotary products, RMSNorm's weight) ran 9-13%
     slower than into a fresh buffer on the H100, 11 ms of a 32K-token 7B prefill (the kernel
     profiles of bench/results/h100/prefill_s15.json and prefill_s16.json, turnip beside eager).
-    A step whose budget holds it whole without donation needs none of that memory. Training steps stay donated: at eager's peak their donated loss
-    head is what fits."""
+    A step whose budget holds it whole without donation needs none of that memory. Training steps
+    stay donated: at eager's peak their donated loss head is what fits."""
     if costs is not None:
         costs.annotate(traced)
     keep_all = build(traced, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=alignment, compact=True)

@@ -108,7 +108,8 @@ def info_text(mg: MemGraph, path: Path) -> str:
               f"  moved per step (both ways)           {format_bytes(mix.bytes_moved)}",
               "", "trainable parameters, by where they are updated",
               f"  homed on the GPU             {mix.parameters_kept:>6}  {format_bytes(mix.bytes_parameters_kept)}",
-              f"  streamed, updated on the GPU {mix.parameters_streamed:>6}  {format_bytes(mix.bytes_parameters_streamed)}",
+              f"  streamed, updated on the GPU {mix.parameters_streamed:>6}  "
+              + format_bytes(mix.bytes_parameters_streamed),
               f"  updated by the host's cores  {mix.parameters_host_stepped:>6}  "
               + format_bytes(mix.bytes_parameters_host_stepped),
               f"  frozen weights half-width    {mix.half_width_weights:>6}  {format_bytes(mix.bytes_half_width)}",

@@ -84,7 +84,8 @@ def floor_and_sim(mg, device, eager_step_s: float | None, sim_trace: Path | None
         out.update(floor_both_ways_link_s=fl["both_ways"],
                    floor_with_duplex_s=max([*parts, fl["both_ways"]]) if parts else None)
     out.update(floor_s=max(parts) if parts else None, floor_compute_s=compute, floor_h2d_s=link[0],
-               floor_d2h_s=link[1], floor_host_updates_s=host_updates, floor_basis=basis, floor_compute_eager_s=eager_compute,
+               floor_d2h_s=link[1], floor_host_updates_s=host_updates, floor_basis=basis,
+               floor_compute_eager_s=eager_compute,
                floor_compute_model_s=fl["compute"], recompute_vertices=total - original)
     sim = simulate(mg, costs, backend="cuda")  # the CUDA engine's model, whatever device compiled it
     out.update(sim_step_s=sim.step_time, sim_compute_idle_s=sim.compute_idle,
