@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 import torch
-from turnip.bench.ablation import main as ablation_main
-from turnip.bench.options import planner_options
-from turnip.bench.results import load_suite_rows, result_path
-from turnip.bench.suite import (
+from .ablation import main as ablation_main
+from .options import planner_options
+from .results import load_suite_rows, result_path
+from .suite import (
     DEFAULT_SYSTEMS,
     ISOLATE,
     SHORTHANDS,
@@ -33,7 +33,7 @@ from turnip.bench.suite import (
     parse_budgets,
     run_suite,
 )
-from turnip.ir.budget import BudgetError
+from ..ir.budget import BudgetError
 
 
 def _floats(text: str) -> list[float]:
@@ -106,7 +106,7 @@ def ablation(args) -> int:
 
 
 def plots(args) -> int:
-    from turnip.bench.plots import redraw
+    from .plots import redraw
 
     folder = Path(args.results) if args.results else _out(args)
     for png in redraw(folder):

@@ -25,18 +25,18 @@ import time
 from pathlib import Path
 
 import torch
-from turnip.bench.engine_variants import run_budget, settings
-from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
-from turnip.bench.models.sizes import make_workload
-from turnip.bench.results import result_path, run_metadata
-from turnip.engine.resources import transfer_depth
-from turnip.engine.timing_sim import simulate
-from turnip.ir.memgraph import Edge, Kind, MemGraph, Place, Stream
-from turnip.ir.plan import Plan
-from turnip.ir.taskgraph import TaskGraph
-from turnip.planners.costs import CostModel
+from .engine_variants import run_budget, settings
+from ..gpt import GPT, GPTConfig, example_batch, lm_loss
+from .models.sizes import make_workload
+from .results import result_path, run_metadata
+from ..engine.resources import transfer_depth
+from ..engine.timing_sim import simulate
+from ..ir.memgraph import Edge, Kind, MemGraph, Place, Stream
+from ..ir.plan import Plan
+from ..ir.taskgraph import TaskGraph
+from ..planners.costs import CostModel
 
-from turnip import memgraph
+from .. import memgraph
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     path = out / "ablation.json"
     path.write_text(json.dumps(doc, indent=1))
     try:
-        from turnip.bench.plots import plot_ablation
+        from .plots import plot_ablation
 
         plot_ablation(rows, out / "ablation.png", title="simulated step time by ordering")
     except ImportError as exc:  # matplotlib is optional (the "bench" extra); the JSON is the result

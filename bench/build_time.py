@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from turnip.ir.plan import Plan
-from turnip.memgraph import build
+from ..ir.plan import Plan
+from ..memgraph import build
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]

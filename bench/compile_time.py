@@ -21,11 +21,11 @@ import tempfile
 import time
 
 import torch
-from turnip.bench.results import result_path, run_metadata
-from turnip.planners.driver import outcome
-from turnip.planners.solver import join_abandoned
+from .results import result_path, run_metadata
+from ..planners.driver import outcome
+from ..planners.solver import join_abandoned
 
-from turnip import memgraph
+from .. import memgraph
 
 log = logging.getLogger(__name__)
 

@@ -23,14 +23,14 @@ import time
 from typing import NamedTuple
 
 import torch
-from turnip.bench.results import result_path, run_metadata
-from turnip.engine.completions import launch_host_func
-from turnip.engine.cuda import CudaRuntime
-from turnip.engine.errors import EngineError
-from turnip.ir.plan import Plan
-from turnip.ir.taskgraph import TaskGraph, ValueKind
+from .results import result_path, run_metadata
+from ..engine.completions import launch_host_func
+from ..engine.cuda import CudaRuntime
+from ..engine.errors import EngineError
+from ..ir.plan import Plan
+from ..ir.taskgraph import TaskGraph, ValueKind
 
-from turnip import engine, memgraph
+from .. import engine, memgraph
 
 log = logging.getLogger(__name__)
 

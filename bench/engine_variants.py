@@ -27,15 +27,15 @@ import time
 from pathlib import Path
 
 import torch
-from turnip.bench.models.sizes import make_workload
-from turnip.bench.options import planner_options
-from turnip.bench.peers.common import sync, trainable
-from turnip.bench.peers.isolated import resolve
-from turnip.bench.results import result_path, run_metadata
-from turnip.engine.timing_sim import simulate
-from turnip.planners.costs import default_costs
+from .models.sizes import make_workload
+from .options import planner_options
+from .peers.common import sync, trainable
+from .peers.isolated import resolve
+from .results import result_path, run_metadata
+from ..engine.timing_sim import simulate
+from ..planners.costs import default_costs
 
-from turnip import engine, memgraph
+from .. import engine, memgraph
 
 log = logging.getLogger(__name__)
 

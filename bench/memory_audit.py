@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from turnip.bench.models.sizes import make_workload
-from turnip.bench.results import result_path, run_metadata
-from turnip.memgraph.packing import stays
-from turnip.memgraph.schedule import Schedule
+from .models.sizes import make_workload
+from .results import result_path, run_metadata
+from ..memgraph.packing import stays
+from ..memgraph.schedule import Schedule
 
-from turnip import engine, memgraph
+from .. import engine, memgraph
 
 log = logging.getLogger(__name__)
 

@@ -35,12 +35,12 @@ import statistics
 from pathlib import Path
 
 import torch
-from turnip.bench.models.sizes import make_workload
-from turnip.bench.peers.common import device_timed_steps, trainable
-from turnip.bench.results import run_metadata, write_result
-from turnip.engine.cuda import CudaRuntime, pinned_bytes, unpin
+from .models.sizes import make_workload
+from .peers.common import device_timed_steps, trainable
+from .results import run_metadata, write_result
+from ..engine.cuda import CudaRuntime, pinned_bytes, unpin
 
-from turnip import engine, memgraph
+from .. import engine, memgraph
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import matplotlib
-from turnip.bench.results import load_suite_rows
+from .results import load_suite_rows
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

@@ -41,19 +41,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from turnip.bench.memory_audit import frame_of, live_at_peak, recorded
-from turnip.bench.models.llama import LLAMA2_7B
-from turnip.bench.options import planner_options
-from turnip.bench.peers import zero_inference
-from turnip.bench.peers.common import OK, TIMEOUT, release_memory, sync, unavailable
-from turnip.bench.peers.spawned import call_spawned
-from turnip.bench.profile_step import kernel_profile
-from turnip.bench.results import result_path, run_metadata
-from turnip.engine.timing_sim import step_floor, transfer_bytes
-from turnip.ir.budget import BudgetError, budget_size, check_budget, format_bytes, parse_budget
-from turnip.planners.costs import CostModel
+from .memory_audit import frame_of, live_at_peak, recorded
+from .models.llama import LLAMA2_7B
+from .options import planner_options
+from .peers import zero_inference
+from .peers.common import OK, TIMEOUT, release_memory, sync, unavailable
+from .peers.spawned import call_spawned
+from .profile_step import kernel_profile
+from .results import result_path, run_metadata
+from ..engine.timing_sim import step_floor, transfer_bytes
+from ..ir.budget import BudgetError, budget_size, check_budget, format_bytes, parse_budget
+from ..planners.costs import CostModel
 
-from turnip import engine, memgraph
+from .. import engine, memgraph
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import torch
-from turnip.bench.models.sizes import make_workload
-from turnip.bench.results import result_path, run_metadata
-from turnip.ir.memgraph import Kind
+from .models.sizes import make_workload
+from .results import result_path, run_metadata
+from ..ir.memgraph import Kind
 
-from turnip import engine, memgraph
+from .. import engine, memgraph
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     engine.run(mg, batch)  # second: segments captured as CUDA graphs
     turnip_s = timed(lambda: engine.run(mg, batch), args.steps)
     trace_file = result_path(f"profile_{args.model}_trace.json")
-    engine.run(mg, batch, trace=trace_file)
+    engine.run(mg, batch, timeline=trace_file)
     turnip_kernels = kernel_profile(lambda: engine.run(mg, batch))
     result = {"benchmark": "profile_step", **run_metadata(), "model": args.model, "budget": args.budget,
               "turnip_step_ms": [t * 1e3 for t in turnip_s], "summary": mg.summary(),

@@ -27,23 +27,23 @@ import time
 from pathlib import Path
 
 import torch
-from turnip.bench.models.sizes import make_workload
-from turnip.bench.options import planner_options
-from turnip.bench.peers.common import Workload
-from turnip.bench.peers.isolated import resolve
-from turnip.bench.results import result_path, run_metadata
-from turnip.engine.timing_sim import idle_by_wait, simulate, transfer_bytes
-from turnip.ir.budget import format_bytes, parse_budget
-from turnip.ir.plan import Plan
-from turnip.ir.step_file import load_step, save_step
-from turnip.memgraph.build import build, build_walks
-from turnip.memgraph.compile import UNBOUNDED, unplanned_peak
-from turnip.memgraph.recast import recompute_evicted
-from turnip.memgraph.trace import trace
-from turnip.planners.costs import CostModel, DeviceSpec, default_costs
-from turnip.planners.driver import plan_candidates
-from turnip.planners.host_update import host_update_candidates
-from turnip.planners.measure import device_name
+from .models.sizes import make_workload
+from .options import planner_options
+from .peers.common import Workload
+from .peers.isolated import resolve
+from .results import result_path, run_metadata
+from ..engine.timing_sim import idle_by_wait, simulate, transfer_bytes
+from ..ir.budget import format_bytes, parse_budget
+from ..ir.plan import Plan
+from ..ir.step_file import load_step, save_step
+from ..memgraph.builder import build, build_walks
+from ..memgraph.compiler import UNBOUNDED, unplanned_peak
+from ..memgraph.remake_offloaded import recompute_evicted
+from ..trace.tracer import trace
+from ..planners.costs import CostModel, DeviceSpec, default_costs
+from ..planners.driver import plan_candidates
+from ..planners.host_update import host_update_candidates
+from ..planners.measure import device_name
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ ALIGNMENT = 256  # compile's arena alignment on CUDA
 def export(workload: Workload, device: str, out: Path, eager: bool = True, loss_blocks: int | None = None,
            analytic_cuda: bool = False) -> Path:
     """Trace ``workload`` for ``device`` (its loss head in ``loss_blocks`` row blocks when given,
-    memgraph/split.py), measure its op costs there, write the step and its facts. analytic_cuda:
+    trace/split_loss.py), measure its op costs there, write the step and its facts. analytic_cuda:
     no GPU at hand: trace on ``device`` (the CPU) and price the ops with the analytic H100-class
     model as a CUDA step (a stand-in for planner experiments, not the GPU's measured costs)."""
     started = time.perf_counter()
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     ex.add_argument("--analytic-cuda", action="store_true", help="no GPU: trace on --device and price the step with "
                     "the analytic H100-class model as a CUDA step (planner experiments only)")
     ex.add_argument("--split", default="", help="comma-separated row-block counts: also export the step with its "
-                    "loss head split (memgraph/split.py), e.g. 4,8")
+                    "loss head split (trace/split_loss.py), e.g. 4,8")
     pl = sub.add_parser("plan", help="plan and simulate an exported step at some budgets")
     pl.add_argument("--step", required=True, help="a step_<model>.step file (its .json beside it)")
     pl.add_argument("--budgets", default="0.6,0.5", help="fractions of eager's measured peak, or sizes")

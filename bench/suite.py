@@ -32,14 +32,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from turnip.bench.models.llama import Unavailable
-from turnip.bench.models.sizes import make_workload
-from turnip.bench.peers import CUDA_PEERS, PEERS, TORCH_PEERS
-from turnip.bench.peers.common import EAGER_MATH, NOT_INSTALLED, OK, TIMEOUT, PeerResult, Workload, is_cuda
-from turnip.bench.peers.isolated import WorkloadSpec, resolve, run_isolated, write_snapshot
-from turnip.bench.results import run_metadata
-from turnip.bench.trace_waits import explain_gaps, load_units, simulated_beside, summarize
-from turnip.ir.budget import BudgetError, format_bytes, parse_budget
+from .models.llama import Unavailable
+from .models.sizes import make_workload
+from .peers import CUDA_PEERS, PEERS, TORCH_PEERS
+from .peers.common import EAGER_MATH, NOT_INSTALLED, OK, TIMEOUT, PeerResult, Workload, is_cuda
+from .peers.isolated import WorkloadSpec, resolve, run_isolated, write_snapshot
+from .results import run_metadata
+from .trace_waits import explain_gaps, load_units, simulated_beside, summarize
+from ..ir.budget import BudgetError, format_bytes, parse_budget
 
 log = logging.getLogger(__name__)
 
@@ -350,7 +350,7 @@ def run_systems(cfg: SuiteConfig, runner: Runner, systems: list[str], label: str
 
 def draw(out: Path, label: str, rows: list[dict], trace_budget) -> None:
     try:
-        from turnip.bench import plots
+        from . import plots
     except ImportError as exc:  # matplotlib is an optional dependency (the "bench" extra)
         log.warning("no plots: %s (pip install matplotlib, then python -m turnip.bench plots)", exc)
         return

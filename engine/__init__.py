@@ -8,10 +8,10 @@ replays the same loop on a virtual clock. See docs/design.md, "Runtime
 contract".
 """
 
-from turnip.engine.errors import BatchError, EngineError, ResourceError, StallError, VertexError
-from turnip.engine.policy import DeterministicPolicy, Policy, RandomPolicy, SerialPolicy
-from turnip.engine.run import run
-from turnip.engine.timing_sim import simulate
+from .errors import BatchError, EngineError, ResourceError, StallError, VertexError
+from .policy import DeterministicPolicy, Policy, RandomPolicy, SerialPolicy
+from .run_step import run
+from .timing_sim import simulate
 
 __all__ = [
     "BatchError",

@@ -34,8 +34,8 @@ import queue
 import time
 
 import torch
-from turnip.engine.errors import EngineError
-from turnip.engine.loop import Completion
+from .errors import EngineError
+from .loop import Completion
 
 log = logging.getLogger(__name__)
 

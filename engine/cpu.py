@@ -17,11 +17,11 @@ import time
 import weakref
 
 import torch
-from turnip.engine.loop import Completion, Launch
-from turnip.engine.runtime import InputBinding, OutputBinding, Runtime
-from turnip.ir.memgraph import MemGraph
-from turnip.kernels.launch import PreparedVertex
-from turnip.kernels.step import RngReplay, StepContext
+from .loop import Completion, Launch
+from .runtime import InputBinding, OutputBinding, Runtime
+from ..ir.memgraph import MemGraph
+from ..kernels.launch import PreparedVertex
+from ..kernels.step_state import RngReplay, StepContext
 
 log = logging.getLogger(__name__)
 

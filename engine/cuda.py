@@ -37,7 +37,7 @@ import mmap
 import time
 
 import torch
-from turnip.engine.completions import (
+from .completions import (
     CallbackCompletions,
     EventCompletions,
     Lane,
@@ -45,18 +45,18 @@ from turnip.engine.completions import (
     crosses_keys,
     launch_host_func,
 )
-from turnip.engine.cuda_graphs import SegmentGraphs
-from turnip.engine.errors import EngineError
-from turnip.engine.host_lane import HostDone, HostStream
-from turnip.engine.host_memory import describe_host, host_memory
-from turnip.engine.loop import Launch
-from turnip.engine.resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD
-from turnip.engine.runtime import InputBinding, OutputBinding, Runtime, arena_devices
-from turnip.ir.budget import format_bytes
-from turnip.ir.memgraph import MemGraph, Stream
-from turnip.kernels.launch import PreparedVertex
-from turnip.kernels.step import RngReplay, StepContext
-from turnip.kernels.threads import host_threads
+from .cuda_graphs import SegmentGraphs
+from .errors import EngineError
+from .host_lane import HostDone, HostStream
+from .host_memory import describe_host, host_memory
+from .loop import Launch
+from .resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD
+from .runtime import InputBinding, OutputBinding, Runtime, arena_devices
+from ..ir.budget import format_bytes
+from ..ir.memgraph import MemGraph, Stream
+from ..kernels.launch import PreparedVertex
+from ..kernels.step_state import RngReplay, StepContext
+from ..kernels.threads import host_threads
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ import logging
 from collections.abc import Callable, Mapping
 
 import torch
-from turnip.ir.memgraph import MemGraph
-from turnip.kernels.capture import captured
-from turnip.kernels.launch import scalar_names
+from ..ir.memgraph import MemGraph
+from ..kernels.capture import captured
+from ..kernels.launch import scalar_names
 
 log = logging.getLogger(__name__)
 

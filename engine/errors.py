@@ -9,13 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..ir.errors import BatchError, EngineError
 
-class EngineError(RuntimeError):
-    """Base class: the step did not complete; the engine is still usable."""
-
-
-class BatchError(EngineError, ValueError):
-    """The batch does not match the traced example (leaf count, shape, dtype)."""
+__all__ = ["BatchError", "EngineError", "ResourceError", "StallError", "VertexError"]
 
 
 class ResourceError(EngineError):

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 
 import torch
-from turnip.kernels.threads import kernel_threads
+from ..kernels.threads import kernel_threads
 
 
 class HostDone:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from turnip.ir.budget import format_bytes
+from ..ir.budget import format_bytes
 
 RESERVE_FRACTION = 0.10  # of the host's total memory, kept out of reach of pinning
 RESERVE_MIN = 4 << 30  # bytes, kept at least

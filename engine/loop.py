@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from turnip.engine.errors import ResourceError, StallError, VertexError
-from turnip.engine.resources import WORKSPACE, StreamPool, WorkspacePool
-from turnip.ir.describe import describe_vertex, format_info, format_vertex
-from turnip.ir.memgraph import MemGraph, Stream
+from .errors import ResourceError, StallError, VertexError
+from .resources import WORKSPACE, StreamPool, WorkspacePool
+from ..ir.describe import describe_vertex, format_info, format_vertex
+from ..ir.memgraph import MemGraph, Stream
 
 log = logging.getLogger(__name__)
 

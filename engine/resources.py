@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from turnip.ir.memgraph import Stream
+from ..ir.memgraph import Stream
 
 WORKSPACE = "workspace"  # the name StaticGraph.needs gives the WorkspacePool
 

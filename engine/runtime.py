@@ -4,7 +4,7 @@ A runtime owns the arena (one byte buffer per device), the CPU storage (one
 byte buffer), the step counter, the loop's precomputed graph, and every
 vertex decoded once: ``execute(mg, vid)`` binds a vertex to its views on its
 first launch (``bind_<kind>``, below) and runs it through its kind's hook
-(``run_<kind>``, in the backend; engine/decode.py has the one table from
+(``run_<kind>``, in the backend; engine/dispatch.py has the one table from
 Kind to hook names). Backends (engine/cpu.py, engine/cuda.py) subclass it
 and add how buffers are allocated, how a vertex is launched and how each
 kind runs:
@@ -32,13 +32,13 @@ import threading
 from typing import NamedTuple
 
 import torch
-from turnip.engine.decode import input_place, output_place, per_vertex, transfer_pairs
-from turnip.engine.errors import EngineError
-from turnip.engine.loop import StaticGraph
-from turnip.ir.describe import format_vertex
-from turnip.ir.memgraph import MemGraph, MVertex, Place
-from turnip.kernels.launch import PreparedVertex
-from turnip.kernels.views import ref_view, typed_view
+from .dispatch import input_place, output_place, per_vertex, transfer_pairs
+from .errors import EngineError
+from .loop import StaticGraph
+from ..ir.describe import format_vertex
+from ..ir.memgraph import MemGraph, MVertex, Place
+from ..kernels.launch import PreparedVertex
+from ..kernels.views import ref_view, typed_view
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
     res = engine.simulate(mg, costs, jitter=0.1, ordering="deterministic", seed=3)
     res.step_time, res.compute_idle, res.host_busy, res.timeline   # [(vertex, stream, start, end), ...]
-    res.write_trace("sim.json", mg)                                 # the same Chrome trace engine.run writes
+    res.write_timeline("sim.json", mg)                              # the same Chrome timeline engine.run writes
 
 No hardware and no second scheduler: the loop's ``Scheduler`` with the real
 StreamPool / WorkspacePool decides every launch, exactly as
@@ -70,15 +70,15 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from turnip.engine.chrome_trace import write_trace
-from turnip.engine.decode import per_vertex
-from turnip.engine.errors import StallError
-from turnip.engine.loop import Record, Scheduler, StaticGraph
-from turnip.engine.policy import Policy, make_policy
-from turnip.engine.resources import CUDA_LAUNCH_AHEAD, StreamPool, WorkspacePool, stream_counts, transfer_depth
-from turnip.engine.runtime import arena_devices, workspace_capacity
-from turnip.ir.memgraph import Kind, MemGraph, MVertex, Stream
-from turnip.ir.optimizer import update_elements
+from .timeline import write_timeline
+from .dispatch import per_vertex
+from .errors import StallError
+from .loop import Record, Scheduler, StaticGraph
+from .policy import Policy, make_policy
+from .resources import CUDA_LAUNCH_AHEAD, StreamPool, WorkspacePool, stream_counts, transfer_depth
+from .runtime import arena_devices, workspace_capacity
+from ..ir.memgraph import Kind, MemGraph, MVertex, Stream
+from ..ir.optimizer import update_elements
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +125,11 @@ class SimResult:
                 "host_per_vertex": self.host_per_vertex, "bytes_h2d": self.bytes_h2d,
                 "bytes_d2h": self.bytes_d2h, "ordering": self.ordering, "seed": self.seed, "jitter": self.jitter}
 
-    def write_trace(self, path: str | Path, mg: MemGraph, meta: dict | None = None) -> Path:
-        """A Chrome/Perfetto trace through engine/chrome_trace.py's writer (times are simulated)."""
+    def write_timeline(self, path: str | Path, mg: MemGraph, meta: dict | None = None) -> Path:
+        """A Chrome/Perfetto trace through engine/timeline.py's writer (times are simulated)."""
         launched = {r.vertex: self.launched_at[r.vertex] for r in self.records
                     if not math.isnan(self.launched_at[r.vertex])}
-        return write_trace(path, mg, self.records, self.keys, 0.0, instances=self.instances,
+        return write_timeline(path, mg, self.records, self.keys, 0.0, instances=self.instances,
                            meta={"simulated": True, **self.summary(), **(meta or {})}, launched=launched)
 
 
@@ -200,7 +200,7 @@ def direction(mv) -> str | None:
 
 
 class _Durations:
-    """Seconds per vertex kind before noise: the ``time_<kind>`` hooks of engine/decode.py's one dispatch."""
+    """Seconds per vertex kind before noise: the ``time_<kind>`` hooks of engine/dispatch.py's one dispatch."""
 
     def __init__(self, mg: MemGraph, model: Any, h2d: float, d2h: float, hbm: float):
         self.mg, self.model, self.h2d, self.d2h, self.hbm = mg, model, h2d, d2h, hbm

@@ -18,3 +18,11 @@ class InfeasibleBudget(ValueError):
         self.minimum = minimum
         self.vertex = vertex
         self.resource = resource
+
+
+class EngineError(RuntimeError):
+    """Base class: the step did not complete; the engine is still usable."""
+
+
+class BatchError(EngineError, ValueError):
+    """The batch does not match the traced example (leaf count, shape, dtype)."""

@@ -222,7 +222,7 @@ class TaskGraph:
 
     def unused_persistent(self) -> set[int]:
         """Persistent values the step neither reads, updates nor returns (a frozen weight kept in a
-        narrower dtype instead, memgraph/half_width.py): they need no place, their state is their
+        narrower dtype instead, trace/half_width.py): they need no place, their state is their
         initial state."""
         used = {x for vertex in self.vertices for x in vertex.inputs()}
         used |= set(self.bindings) | set(self.outputs.values())

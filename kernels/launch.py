@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
-from turnip.ir.taskgraph import ScalarRef, TensorRef, Vertex
-from turnip.kernels.ops import UNINITIALIZED, flatten_returns, out_variant, resolve_op
-from turnip.kernels.rng import replay
-from turnip.kernels.views import ref_view
+from ..ir.taskgraph import ScalarRef, TensorRef, Vertex
+from .ops import UNINITIALIZED, flatten_returns, out_variant, resolve_op
+from .rng import replay
+from .views import ref_view
 
 Resolve = Callable[[TensorRef], torch.Tensor]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from turnip.ir.taskgraph import TensorRef, Value
+from ..ir.taskgraph import TensorRef, Value
 
 
 def typed_view(buffer: torch.Tensor, offset: int, value: Value) -> torch.Tensor:

@@ -7,16 +7,16 @@
     print(mg); print(memgraph.dump(mg))                         # one line; the vertices
 """
 
-from turnip.ir.describe import dump
-from turnip.ir.errors import InfeasibleBudget
-from turnip.ir.memgraph import MemGraph, load
-from turnip.ir.taskgraph import TaskGraph
-from turnip.memgraph.build import build
-from turnip.memgraph.compile import compile
-from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
-from turnip.memgraph.reference import ReferenceExecutor
-from turnip.memgraph.trace import trace
-from turnip.memgraph.verify import verify
+from ..ir.describe import dump
+from ..ir.errors import InfeasibleBudget
+from ..ir.memgraph import MemGraph, load
+from ..ir.taskgraph import TaskGraph
+from .builder import build
+from .compiler import compile
+from ..trace.errors import UnsupportedFeature, UnsupportedOp
+from ..engine.reference import ReferenceExecutor
+from ..trace.tracer import trace
+from .checker import verify
 
 __all__ = ["InfeasibleBudget", "MemGraph", "ReferenceExecutor", "TaskGraph", "UnsupportedFeature", "UnsupportedOp",
            "build", "compile", "dump", "load", "trace", "verify"]

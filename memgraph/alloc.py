@@ -18,7 +18,7 @@ import heapq
 import itertools
 from collections import deque
 
-from turnip.ir.memgraph import Place
+from ..ir.memgraph import Place
 
 START = -1  # writer id of a tenancy that holds its bytes when the step starts (a home)
 FIT_CANDIDATES = 16  # free runs examined per allocation from each end of the by-size index

@@ -28,13 +28,13 @@ import itertools
 import time
 from collections import Counter
 
-from turnip.ir.memgraph import Edge, Kind, MemGraph, Place, Stream
-from turnip.ir.plan import Plan
-from turnip.ir.taskgraph import TaskGraph, ValueKind
-from turnip.memgraph.alloc import START, RangeAllocator, Tenancy, wait_for
-from turnip.memgraph.packing import pack, stays
-from turnip.memgraph.reduce import reduce_memory_edges
-from turnip.memgraph.schedule import OUT, TASK, WB, Schedule
+from ..ir.memgraph import Edge, Kind, MemGraph, Place, Stream
+from ..ir.plan import Plan
+from ..ir.taskgraph import TaskGraph, ValueKind
+from .alloc import START, RangeAllocator, Tenancy, wait_for
+from .packing import pack, stays
+from .implied_edges import reduce_memory_edges
+from .schedule import OUT, TASK, WB, Schedule
 
 UNBOUNDED = 1 << 60  # pinned CPU storage limit when the plan sets none
 # Bytes freed by an offload count as freed this many steps later when the allocator picks the bytes

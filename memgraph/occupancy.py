@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from turnip.ir.memgraph import Kind, MemGraph, Place
+from ..ir.memgraph import Kind, MemGraph, Place
 
 GPU = "gpu"
 PHASES = ("forward", "backward", "optimizer")

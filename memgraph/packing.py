@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from turnip.ir.taskgraph import TaskGraph, ValueKind
-from turnip.memgraph.schedule import Schedule
+from ..ir.taskgraph import TaskGraph, ValueKind
+from .schedule import Schedule
 
 
 @dataclass

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from turnip.engine.timing_sim import transfer_bytes
-from turnip.ir.budget import budget_fields, format_bytes
-from turnip.ir.memgraph import Kind, MemGraph
-from turnip.ir.taskgraph import ValueKind
-from turnip.memgraph.half_width import half_width_values
+from ..engine.timing_sim import transfer_bytes
+from ..ir.budget import budget_fields, format_bytes
+from ..ir.memgraph import Kind, MemGraph
+from ..ir.taskgraph import ValueKind
+from ..trace.half_width import half_width_values
 
 CPU = "cpu"
 
@@ -46,10 +46,10 @@ class PlanMix:
     bytes_parameters_streamed: int = 0
     parameters_host_stepped: int = 0
     bytes_parameters_host_stepped: int = 0
-    # frozen weights kept, and fetched, in the narrower dtype of their only casts (memgraph/half_width.py)
+    # frozen weights kept, and fetched, in the narrower dtype of their only casts (trace/half_width.py)
     half_width_weights: int = 0
     bytes_half_width: int = 0
-    loss_blocks: int = 1  # row blocks of the loss head (memgraph/split.py; 1: not split)
+    loss_blocks: int = 1  # row blocks of the loss head (trace/split_loss.py; 1: not split)
 
 
 def plan_mix(mg: MemGraph) -> PlanMix:

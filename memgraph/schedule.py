@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import itertools
 
-from turnip.ir.plan import CPU, GPU, Plan
-from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind
+from ..ir.plan import CPU, GPU, Plan
+from ..ir.taskgraph import TaskGraph, TensorRef, ValueKind
 
 TASK, OUT, WB = 0, 1, 2
 
@@ -41,7 +41,7 @@ class Schedule:
             if home not in (GPU, CPU):
                 raise ValueError(f"plan.home[{vid}] is {home!r}, expected 'gpu' or 'cpu'")
         # a persistent value nothing reads or updates (a frozen weight kept half-width instead,
-        # memgraph/half_width.py) needs no place: its state is its initial state
+        # trace/half_width.py) needs no place: its state is its initial state
         unplaced = tg.unused_persistent()
         self.gpu_home = [v.kind.is_persistent and v.id not in unplaced and plan.home_of(v.id) == GPU for v in values]
         self.cpu_home = [v.kind.is_persistent and v.id not in unplaced and plan.home_of(v.id) == CPU for v in values]

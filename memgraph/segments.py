@@ -19,7 +19,7 @@ Random vertices stay alone (their generator state is set per launch, which a cap
 
 from __future__ import annotations
 
-from turnip.ir.memgraph import Kind, MemGraph, Stream
+from ..ir.memgraph import Kind, MemGraph, Stream
 
 
 def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) -> list[list[int]]:

@@ -7,9 +7,9 @@ method: "auto" (the ILP, the greedy plan when the ILP finds nothing in time), "i
 
 from __future__ import annotations
 
-from turnip.ir.errors import InfeasibleBudget
-from turnip.ir.plan import CPU, GPU, Plan, Recompute
-from turnip.planners.driver import plan_candidates, run_plan
+from ..ir.errors import InfeasibleBudget
+from ..ir.plan import CPU, GPU, Plan, Recompute
+from .driver import plan_candidates, run_plan
 
 __all__ = ["CPU", "GPU", "InfeasibleBudget", "Plan", "Recompute", "plan", "plan_candidates"]
 

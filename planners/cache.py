@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from turnip.ir.plan import CPU, GPU, Plan, Recompute
-from turnip.ir.serialize import Codec
-from turnip.ir.taskgraph import ScalarRef, TaskGraph, TensorRef
-from turnip.planners.costs import CostModel, default_cache_dir
-from turnip.planners.measure import device_name
+from ..ir.plan import CPU, GPU, Plan, Recompute
+from ..ir.serialize import Codec
+from ..ir.taskgraph import ScalarRef, TaskGraph, TensorRef
+from .costs import CostModel, default_cache_dir
+from .measure import device_name
 
 log = logging.getLogger(__name__)
 

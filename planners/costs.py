@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from turnip.ir.taskgraph import ScalarRef, TaskGraph, TensorRef, Vertex
-from turnip.kernels.launch import writes_in_place
-from turnip.kernels.ops import resolve_op
-from turnip.planners import measure
+from ..ir.taskgraph import ScalarRef, TaskGraph, TensorRef, Vertex
+from ..kernels.launch import writes_in_place
+from ..kernels.ops import resolve_op
+from . import measure
 
 log = logging.getLogger(__name__)
 # Beside the library workspaces, the small CUDA blocks of a step (generator states, scalar results,

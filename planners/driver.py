@@ -15,17 +15,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from turnip.ir.budget import format_bytes
-from turnip.ir.errors import InfeasibleBudget
-from turnip.ir.plan import Plan
-from turnip.ir.taskgraph import TaskGraph
-from turnip.planners import ilp, solver
-from turnip.planners.costs import CostModel, default_costs
-from turnip.planners.decode import from_solution, to_plan
-from turnip.planners.greedy import greedy
-from turnip.planners.memory import Decisions, Evaluation, evaluate
-from turnip.planners.model import Problem
-from turnip.planners.problem import build_problem
+from ..ir.budget import format_bytes
+from ..ir.errors import InfeasibleBudget
+from ..ir.plan import Plan
+from ..ir.taskgraph import TaskGraph
+from . import ilp, solver
+from .costs import CostModel, default_costs
+from .decode_solution import from_solution, to_plan
+from .greedy import greedy
+from .memory import Decisions, Evaluation, evaluate
+from .model import Problem
+from .problem import build_problem
 
 log = logging.getLogger(__name__)
 

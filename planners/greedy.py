@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import time
 
-from turnip.planners.memory import Decisions, Evaluation, evaluate, item_seconds, need_times, structural_problems
-from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Problem
+from .memory import Decisions, Evaluation, evaluate, item_seconds, need_times, structural_problems
+from .model import KEEP, OFFLOAD, RECOMPUTE, Problem
 
 log = logging.getLogger(__name__)
 

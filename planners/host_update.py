@@ -1,6 +1,6 @@
 """Which optimizer updates the host's cores run (Plan.host_update): ZeRO-Offload's CPU step, per update.
 
-A fused Adam/AdamW update (one multi-tensor vertex per block, memgraph/optim.py) whose parameters
+A fused Adam/AdamW update (one multi-tensor vertex per block, trace/optimizer_update.py) whose parameters
 and states are all homed on the CPU can run on the host: its gradient goes to pinned memory (4 bytes
 a parameter, device to host) and nothing else moves, where the GPU update fetches the parameter and
 both states and writes all three back (12 bytes each way). The price is the host's time
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from turnip.ir.optimizer import update_elements
-from turnip.ir.plan import CPU, Plan
-from turnip.ir.taskgraph import TaskGraph
+from ..ir.optimizer import update_elements
+from ..ir.plan import CPU, Plan
+from ..ir.taskgraph import TaskGraph
 
 HOST_UPDATE_MODES = ("auto", "off", "all")
 HOST_SHARES = (0.25, 0.5, 0.75, 1.0)  # "auto": shares of the parameters updated on the host, each a candidate

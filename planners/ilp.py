@@ -33,8 +33,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
-from turnip.planners.memory import TIE_BREAK, item_seconds, option_seconds
-from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Problem
+from .memory import TIE_BREAK, item_seconds, option_seconds
+from .model import KEEP, OFFLOAD, RECOMPUTE, Problem
 
 log = logging.getLogger(__name__)
 

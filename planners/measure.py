@@ -14,11 +14,11 @@ import threading
 import time
 
 import torch
-from turnip.ir.taskgraph import TaskGraph, TensorRef, Vertex
-from turnip.kernels.capture import captured
-from turnip.kernels.launch import PreparedVertex
-from turnip.kernels.threads import host_threads, kernel_threads
-from turnip.kernels.views import ref_view
+from ..ir.taskgraph import TaskGraph, TensorRef, Vertex
+from ..kernels.capture import captured
+from ..kernels.launch import PreparedVertex
+from ..kernels.threads import host_threads, kernel_threads
+from ..kernels.views import ref_view
 
 log = logging.getLogger(__name__)
 

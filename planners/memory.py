@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Problem
+from .model import KEEP, OFFLOAD, RECOMPUTE, Problem
 
 # Transfers, recomputation and launches hidden under compute still use the link, the GPU and
 # the host: among plans of equal step time, prefer the one that moves and recomputes least.

@@ -15,8 +15,8 @@ import math
 from collections import Counter
 
 import numpy as np
-from turnip.ir.taskgraph import TaskGraph, ValueKind
-from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Group, Item, Option, Problem, make_windows, step_order
+from ..ir.taskgraph import TaskGraph, ValueKind
+from .model import KEEP, OFFLOAD, RECOMPUTE, Group, Item, Option, Problem, make_windows, step_order
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
     step_outputs = set(tg.outputs.values())
     targets = {dst: src for src, dst in tg.bindings.items()}
     # (old, new) pairs where the op reading old last writes new over its bytes (in-place ops, the
-    # optimizer's updates, memgraph/reuse.py): BuildMemGraph counts those bytes once (schedule.py)
+    # optimizer's updates, trace/donate.py): BuildMemGraph counts those bytes once (schedule.py)
     taken_over = {(old, new) for p, vid in enumerate(order) for old, new in tg.vertices[vid].copy_in
                   if size(old) == size(new) and readers[old] and readers[old][-1] == p}
     # such an intermediate or batch value ends one step earlier: its result holds the bytes from there

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import pulp
-from turnip.planners.ilp import Formulation
+from .ilp import Formulation
 
 log = logging.getLogger(__name__)
 

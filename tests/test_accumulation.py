@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
-from turnip.bench.models import gpt, mlp
+from turnip import gpt
+from turnip.bench.models import mlp
 from turnip.engine import BatchError
 
 from turnip import engine, memgraph

@@ -20,7 +20,7 @@ from turnip.ir.memgraph import Edge, Kind, MemGraph, Stream, load
 from turnip.ir.plan import CPU, Plan
 from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph import InfeasibleBudget, build, verify
-from turnip.memgraph.build import minimum_budget
+from turnip.memgraph.builder import minimum_budget
 from turnip.memgraph.horizons import HorizonWalk
 
 log = logging.getLogger(__name__)
@@ -315,7 +315,7 @@ def test_rebuild_ahead_with_and_without_reservations_runs_like_eager():
     import torch
     from cases import assert_same_state, eager_steps, make_case, trainable
     from turnip.ir.optimizer import CompiledOptimizer
-    from turnip.memgraph.build import rebuild_ahead
+    from turnip.memgraph.builder import rebuild_ahead
 
     from turnip import engine, memgraph
 

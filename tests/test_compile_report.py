@@ -3,7 +3,6 @@ order (memgraph/occupancy.py), the progress bar and when anything is printed (me
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import pytest
@@ -12,14 +11,14 @@ from turnip.bench.models import mlp
 from turnip.ir.memgraph import Kind
 from turnip.ir.plan import Plan, Recompute
 from turnip.ir.taskgraph import ValueKind
+from turnip.memgraph import compiler as compile_module
 from turnip.memgraph import progress
 from turnip.memgraph.occupancy import PHASES, arena_timeline, memory_by_phase
 from turnip.memgraph.report import compile_report, plan_mix
 
 from turnip import memgraph
 
-LOGGER = "turnip.memgraph.compile"
-compile_module = importlib.import_module(LOGGER)  # memgraph.compile is the function; this is its module
+LOGGER = "turnip.memgraph.compiler"
 
 
 def tiny_step():

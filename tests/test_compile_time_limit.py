@@ -11,7 +11,7 @@ import time
 import highspy
 import pytest
 import torch
-from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
+from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
 from turnip.memgraph import trace
 from turnip.planners import driver
 from turnip.planners import solver as solver_mod
@@ -31,7 +31,7 @@ from turnip.planners.solver import DEADLINE_PASSED, SolveResult, deadline, solve
 
 @pytest.fixture(scope="module")
 def small_gpt():
-    """bench/models/gpt.py's small GPT, traced with analytic costs, and a budget that needs a plan."""
+    """turnip/gpt.py's small GPT, traced with analytic costs, and a budget that needs a plan."""
     torch.manual_seed(0)
     cfg = GPTConfig()
     model = GPT(cfg)

@@ -1,21 +1,19 @@
-"""Concatenations written in place (memgraph/concat.py): a cat's part made just before it by an
+"""Concatenations written in place (trace/cat_in_place.py): a cat's part made just before it by an
 elementwise op is written straight into its slice of the result, bitwise as eager computes it."""
 
 from __future__ import annotations
-
-import importlib
 
 import pytest
 import torch
 from cases import OPTIMIZERS, assert_same_state, eager_steps, trainable
 from turnip.ir.plan import Plan
 from turnip.ir.taskgraph import TaskGraph, ValueKind
-from turnip.memgraph.build import build
-from turnip.memgraph.concat import NEAR, write_concats_in_place
+from turnip.memgraph.builder import build
+from turnip.trace.cat_in_place import NEAR, write_concats_in_place
+from turnip.trace import passes as trace_passes
+from turnip.trace.tracer import trace
 
 from turnip import engine, memgraph
-
-trace_module = importlib.import_module("turnip.memgraph.trace")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -52,10 +50,10 @@ def batches(count: int = 3):
 
 def _trace(model, rewrite: bool, monkeypatch, backward: bool = True) -> TaskGraph:
     if not rewrite:
-        monkeypatch.setattr(trace_module, "write_concats_in_place", lambda tg: tg)
+        monkeypatch.setattr(trace_passes, "CAT_IN_PLACE", trace_passes.Pass("off", lambda tg: tg))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if backward else None
-    return trace_module.trace(model, loss_fn, batches(1)[0], optimizer=opt, device=torch.device("cpu"),
-                              backward=backward) if backward else trace_module.trace(
+    return trace(model, loss_fn, batches(1)[0], optimizer=opt, device=torch.device("cpu"),
+                              backward=backward) if backward else trace(
         model, lambda m, b: m(b), batches(1)[0], device=torch.device("cpu"), backward=False)
 
 
@@ -98,7 +96,7 @@ def test_a_part_made_far_before_the_cat_or_read_elsewhere_is_left_alone(monkeypa
             b = x * 2.0
             return torch.cat((a, x), -1).sum() + h.sum() + torch.cat((b, x), -1).sum() + b.sum()  # b read twice
 
-    tg = trace_module.trace(Far(), lambda m, b: m(b), torch.randn(4, 16), device=torch.device("cpu"), backward=False,
+    tg = trace(Far(), lambda m, b: m(b), torch.randn(4, 16), device=torch.device("cpu"), backward=False,
                             donate=False)
     assert not any(v.op == "aten::empty_strided" or v.op.endswith(".out") for v in tg.vertices)
     assert sum(v.op == "aten::cat" for v in tg.vertices) == 2

@@ -1,4 +1,4 @@
-"""memgraph/constant_checks.py: library checks of batch-independent values answered as eager answers
+"""trace/constant_checks.py: library checks of batch-independent values answered as eager answers
 them while tracing, so a Hugging Face Llama traces to eager's own step."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from turnip import engine, memgraph
 
 transformers = pytest.importorskip("transformers")
-TRACE = sys.modules["turnip.memgraph.trace"]
+TRACE = sys.modules["turnip.trace.tracer"]
 
 
 def tiny_llama():

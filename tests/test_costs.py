@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
+from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
 from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph import trace
 from turnip.planners import costs as costs_mod

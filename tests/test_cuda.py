@@ -119,7 +119,7 @@ def test_random_ops_are_measured_before_the_arena_is_allocated():
     allocs = [e for trace in snapshot["device_traces"] for e in trace if e["action"] == "alloc"]
     arena = next(k for k, e in enumerate(allocs) if e["size"] == mg.arena_bytes)
     scratch = [k for k, e in enumerate(allocs)
-               if any(f.get("filename", "").endswith("kernels/step.py") for f in e.get("frames", []))]
+               if any(f.get("filename", "").endswith("kernels/step_state.py") for f in e.get("frames", []))]
     assert scratch and max(scratch) < arena
     mg.release()
 

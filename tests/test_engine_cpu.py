@@ -92,10 +92,10 @@ def test_state_dict_before_any_run_is_initial_state():
     assert torch.equal(sd["W"], mg.initial_state[mg.names["W"]])
 
 
-def test_trace_file_written_and_parses(tmp_path):
+def test_timeline_file_written_and_parses(tmp_path):
     mg, batch, _ = wide_graph(chains=3, length=3)
     path = tmp_path / "step.json"
-    engine.run(mg, batch(0), trace=str(path), streams={"compute": 2})
+    engine.run(mg, batch(0), timeline=str(path), streams={"compute": 2})
     doc = json.loads(path.read_text())
     slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(slices) == len(mg.vertices)
@@ -108,6 +108,14 @@ def test_trace_file_written_and_parses(tmp_path):
     lanes = {(e["pid"], e["tid"]) for e in slices}
     assert len(lanes) >= 3
     assert doc["metadata"]["ok"] is True
+
+
+def test_the_former_trace_keyword_still_writes_the_timeline_with_a_warning(tmp_path):
+    mg, batch, _ = wide_graph(chains=2, length=2)
+    path = tmp_path / "step.json"
+    with pytest.warns(DeprecationWarning, match="timeline="):
+        engine.run(mg, batch(0), trace=str(path))
+    assert [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
 
 
 def test_concurrent_runs_on_one_memgraph_are_serialized():

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from cases import make_case
-from turnip.memgraph.errors import UnsupportedFeature
+from turnip.trace.errors import UnsupportedFeature
 
 from turnip import engine, memgraph
 
@@ -81,7 +81,7 @@ def test_a_two_layer_llama_prefill_matches_eager():
     with torch.no_grad():
         want = prefill(model, tokens)
     # bit for bit: transformers' check for packed sequences is answered as eager answers it while
-    # tracing (memgraph/constant_checks.py), so the traced step takes eager's causal path
+    # tracing (trace/constant_checks.py), so the traced step takes eager's causal path
     assert torch.equal(engine.run(mg, tokens)["output"], want)
 
 
@@ -103,7 +103,7 @@ def test_what_a_forward_cannot_take_is_refused(gpt):
 
 
 def test_a_size_budget_that_holds_the_step_undonated_skips_buffer_donation(gpt):
-    """Donation trades kernel time for memory (memgraph/compile.py, undonated_if_it_fits): a forward
+    """Donation trades kernel time for memory (memgraph/compiler.py, undonated_if_it_fits): a forward
     whose size budget holds it whole without donation is not donated; a tighter one is, and both
     give eager's outputs."""
     model, batches = gpt

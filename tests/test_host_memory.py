@@ -8,7 +8,7 @@ import pytest
 import torch
 from turnip.engine.host_memory import RESERVE_MIN, describe_host, host_memory, pinnable_bytes
 from turnip.ir.errors import InfeasibleBudget
-from turnip.memgraph.compile import GIB, within_host
+from turnip.memgraph.compiler import GIB, within_host
 
 MEMINFO = """MemTotal:       131072000 kB
 MemFree:         2000000 kB

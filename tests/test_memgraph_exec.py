@@ -20,7 +20,7 @@ from turnip.ir.memgraph import Kind, MemGraph
 from turnip.ir.plan import Plan
 from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph import build, verify
-from turnip.memgraph.build import minimum_budget
+from turnip.memgraph.builder import minimum_budget
 
 
 def _bytes(seed: int, nbytes: int) -> np.ndarray:

@@ -12,7 +12,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from turnip.bench.models import gpt, mlp
+from turnip import gpt
+from turnip.bench.models import mlp
 
 from turnip import engine, memgraph
 

@@ -9,7 +9,7 @@ import pytest
 from synthetic import chain_of_blocks, random_taskgraph
 from turnip.ir.plan import Plan
 from turnip.memgraph import build, verify
-from turnip.memgraph.build import build_walks
+from turnip.memgraph.builder import build_walks
 from turnip.memgraph.packing import Stay, pack, stays
 from turnip.memgraph.schedule import Schedule, aligned
 

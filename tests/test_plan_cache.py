@@ -5,7 +5,6 @@ Every test keeps the cache under tmp_path (TURNIP_CACHE_DIR or cache=...), never
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import pickle
@@ -15,8 +14,9 @@ import pytest
 import torch
 from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
 from turnip.bench.models import mlp
+from turnip.memgraph import compiler as compile_module
 from turnip.memgraph import trace
-from turnip.memgraph.build import build_walks
+from turnip.memgraph.builder import build_walks
 from turnip.planners import cache as cache_mod
 from turnip.planners import driver
 from turnip.planners.cache import FORMAT, PLAN_CACHE_VERSION, PlanCache, default_plan_dir, plan_key, taskgraph_digest
@@ -202,7 +202,6 @@ def test_a_damaged_or_foreign_file_is_ignored_with_a_warning_and_overwritten(pla
 def test_a_cached_plan_that_does_not_build_is_planned_again(plans, monkeypatch, caplog):
     first = compiled()
     assert len(entries(plans)) == 1
-    compile_module = importlib.import_module("turnip.memgraph.compile")  # memgraph.compile is the function
     calls = []
     build = compile_module.build
 
@@ -271,7 +270,6 @@ def test_the_build_that_won_is_built_again_from_the_cache(traced, walk):
     """On CUDA compile builds both walks of each candidate plan and keeps the fastest simulated one;
     the cache remembers which, and rebuilds exactly that MemGraph (exercised here on a CPU graph)."""
     tg, costs = traced
-    compile_module = importlib.import_module("turnip.memgraph.compile")
     candidates = driver.plan_candidates(tg, int(0.5 * tg.live_peak(alignment=64)), alignment=64, costs=costs)
     built = [(mg, w) for plan in candidates
              for mg, w in zip(build_walks(tg, plan, alignment=64), ("ahead", "compact"))]

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
-
 import torch
-from turnip.bench.models import gpt
+from turnip import gpt
 from turnip.planners.model import OFFLOAD
 from turnip.planners.problem import build_problem
-
-trace_module = importlib.import_module("turnip.memgraph.trace")
+from turnip.trace.tracer import trace
 
 
 def _byte_positions(option) -> int:
@@ -20,7 +17,7 @@ def test_reload_room_counts_reloads_from_their_prefetch_window():
     torch.manual_seed(0)
     cfg = gpt.GPTConfig(vocab=128, seq=32, d_model=32, n_layers=4, n_heads=2)
     model = gpt.GPT(cfg)
-    tg = trace_module.trace(model, gpt.lm_loss, gpt.example_batch(cfg, batch=4),
+    tg = trace(model, gpt.lm_loss, gpt.example_batch(cfg, batch=4),
                             optimizer=torch.optim.AdamW(model.parameters()), device=torch.device("cpu"))
     for v in tg.vertices:
         v.time = 1e-5

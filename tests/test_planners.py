@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 from synthetic import random_taskgraph
-from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
+from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
 from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph import trace
 from turnip.planners.costs import CostModel, DeviceSpec
-from turnip.planners.decode import from_solution, to_plan
+from turnip.planners.decode_solution import from_solution, to_plan
 from turnip.planners.driver import builder_floor, make_problem
 from turnip.planners.greedy import greedy
 from turnip.planners.ilp import formulate, start_values
@@ -443,7 +443,7 @@ def _traced(cfg: GPTConfig, batch: int) -> tuple[TaskGraph, int]:
 
 @pytest.fixture(scope="module")
 def small_gpt():
-    return _traced(GPTConfig(), batch=2)  # bench/models/gpt.py's small GPT as configured by default
+    return _traced(GPTConfig(), batch=2)  # turnip/gpt.py's small GPT as configured by default
 
 
 @pytest.fixture(scope="module")
@@ -623,7 +623,7 @@ def test_recomputing_plans_run_like_eager(how):
     """Plans with recomputation (dropout included: random vertices replay their RNG state) build
     and train bit for bit like eager PyTorch on the CPU backend."""
     from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
-    from turnip.memgraph.build import build
+    from turnip.memgraph.builder import build
 
     from turnip import engine, memgraph
 

@@ -1,4 +1,4 @@
-"""memgraph/recast.py: values the builder evicted, recomputed from GPU-homed weights instead of reloaded."""
+"""memgraph/remake_offloaded.py: values the builder evicted, recomputed from GPU-homed weights instead of reloaded."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from cases import OPTIMIZERS, assert_same_state, bf16_autocast, eager_steps, mak
 from turnip.ir.memgraph import Kind
 from turnip.ir.optimizer import CompiledOptimizer
 from turnip.ir.taskgraph import ValueKind
-from turnip.memgraph.build import build
-from turnip.memgraph.recast import recompute_evicted
-from turnip.memgraph.verify import verify
+from turnip.memgraph.builder import build
+from turnip.memgraph.remake_offloaded import recompute_evicted
+from turnip.memgraph.checker import verify
 from turnip.planners.costs import default_costs
 
 from turnip import engine, memgraph

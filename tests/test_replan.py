@@ -10,8 +10,8 @@ from turnip.bench import replan
 from turnip.bench.models.sizes import make_workload
 from turnip.ir.plan import Plan
 from turnip.ir.step_file import load_step, save_step
-from turnip.memgraph.build import build
-from turnip.memgraph.compile import UNBOUNDED, unplanned_peak
+from turnip.memgraph.builder import build
+from turnip.memgraph.compiler import UNBOUNDED, unplanned_peak
 
 from turnip import memgraph
 

@@ -1,21 +1,20 @@
-"""Buffer donation (memgraph/reuse.py): an op writes its result over an input that dies there."""
+"""Buffer donation (trace/donate.py): an op writes its result over an input that dies there."""
 
 from __future__ import annotations
-
-import importlib
 
 import pytest
 import torch
 from cases import bf16_autocast
-from turnip.bench.models import gpt, mlp
+from turnip import gpt
+from turnip.bench.models import mlp
 from turnip.ir.plan import Plan
 from turnip.kernels.ops import out_variant, resolve_op
-from turnip.memgraph.build import build
-from turnip.memgraph.reuse import ALIASABLE, donate_dying_inputs
+from turnip.memgraph.builder import build
+from turnip.trace.donate import ALIASABLE, donate_dying_inputs
 from turnip.planners.memory import Decisions, evaluate
 from turnip.planners.problem import build_problem
+from turnip.trace.tracer import trace
 
-trace_module = importlib.import_module("turnip.memgraph.trace")
 
 aten = torch.ops.aten
 
@@ -65,14 +64,12 @@ def test_each_aliasable_kernel_gives_its_own_result_over_its_input(op, slot, col
 
 
 def _trace_tiny_gpt(donate: bool, monkeypatch):
-    if not donate:
-        monkeypatch.setattr(trace_module, "donate_dying_inputs", lambda tg: 0)
     torch.manual_seed(0)
     cfg = gpt.GPTConfig(vocab=512, seq=32, d_model=32, n_layers=2, n_heads=2)
     model = gpt.GPT(cfg)
     batch = gpt.example_batch(cfg, batch=4, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return trace_module.trace(model, bf16_autocast(gpt.lm_loss), batch, optimizer=opt, device=torch.device("cpu"))
+    return trace(model, bf16_autocast(gpt.lm_loss), batch, optimizer=opt, device=torch.device("cpu"), donate=donate)
 
 
 def test_the_loss_softmax_and_its_backward_take_the_bytes_of_what_they_read(monkeypatch):
@@ -112,7 +109,7 @@ def test_an_input_read_after_the_op_is_not_donated():
             h = self.lin(x)
             return torch.softmax(h, -1).sum() + h.square().sum()  # h is read after the softmax
 
-    tg = trace_module.trace(SoftmaxTwice(), lambda m, b: m(b), torch.randn(4, 8), device=torch.device("cpu"))
+    tg = trace(SoftmaxTwice(), lambda m, b: m(b), torch.randn(4, 8), device=torch.device("cpu"))
     softmax = [v for v in tg.vertices if v.op.startswith("aten::_softmax") and v.phase == "forward"]
     assert softmax and not softmax[0].copy_in
     assert donate_dying_inputs(tg) == 0  # a second pass finds nothing new either
@@ -150,7 +147,7 @@ def test_the_planner_counts_an_in_place_update_once():
     torch.manual_seed(0)
     model = mlp.MLP(depth=10)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tg = trace_module.trace(model, mlp.mlp_loss, mlp.example_batch(batch=2, seed=0), optimizer=opt,
+    tg = trace(model, mlp.mlp_loss, mlp.example_batch(batch=2, seed=0), optimizer=opt,
                             device=torch.device("cpu"), fused_optimizer=True)
     arena = build(tg, Plan(gpu_budget=1 << 62, planner="none"), alignment=64, compact=True).arena_bytes
     problem = build_problem(tg, 1 << 40, bw_h2d=1e10, bw_d2h=1e10, alignment=64)

@@ -16,7 +16,7 @@ from torch.fx.immutable_collections import immutable_list
 from turnip.ir import MemGraph, Plan, TaskGraph, TensorRef, ValueKind
 from turnip.ir.serialize import FORMAT, GRAPH_MEMBER, STATE_MEMBER, VERSION
 from turnip.ir.taskgraph import ScalarRef
-from turnip.memgraph.optim import OptimizerSpec
+from turnip.trace.optimizer_update import OptimizerSpec
 
 from turnip import engine, memgraph
 

@@ -300,7 +300,7 @@ def test_costs_mapping_overrides_and_trace_file(tmp_path):
     mg, _ = nondeterministic_wins()
     res = simulate(mg, costs={0: 2 * MS}, bandwidth=BW, transfer_ahead=0)  # the reload now takes 2 ms: B ends with the chain
     assert res.step_time == pytest.approx(4 * MS)
-    path = res.write_trace(tmp_path / "sim.json", mg)
+    path = res.write_timeline(tmp_path / "sim.json", mg)
     doc = json.loads(path.read_text())
     slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(slices) == len(mg.vertices)
@@ -310,7 +310,7 @@ def test_costs_mapping_overrides_and_trace_file(tmp_path):
 
 @pytest.fixture(scope="module")
 def gpt_memgraph():
-    from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
+    from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
     from turnip.planners.costs import CostModel
 
     torch.manual_seed(0)
@@ -538,7 +538,7 @@ def test_host_takes_queued_reports_before_polling_the_device():
 def test_compile_keeps_the_candidate_the_simulator_runs_fastest():
     """Of two MemGraphs for one step, the one moving far more bytes over the link is slower in the simulator."""
     from synthetic import chain_of_blocks
-    from turnip.memgraph.compile import fastest_simulated
+    from turnip.memgraph.compiler import fastest_simulated
 
     tg = chain_of_blocks(6, act_bytes=1 << 20, param_bytes=1 << 16)
     for v in tg.vertices:
@@ -581,7 +581,7 @@ def test_trace_names_what_each_unit_waited_for(tmp_path):
 
     mg, b = nondeterministic_wins()
     res = simulate(mg, bandwidth=BW, transfer_ahead=1)
-    units = load_units(res.write_trace(tmp_path / "sim.json", mg))
+    units = load_units(res.write_timeline(tmp_path / "sim.json", mg))
     after = {e["args"]["vertex"]: e["args"].get("after", []) for e in units}
     assert after[b] == [0] and after[b + 1] == [] and after[b + 2] == [b + 1]
     assert all("launched" in e["args"] for e in units)

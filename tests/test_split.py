@@ -1,4 +1,4 @@
-"""The loss head in row blocks (compile(split=k), memgraph/split.py).
+"""The loss head in row blocks (compile(split=k), trace/split_loss.py).
 
 Tolerance: the blocks compute each row with the same kernels, but the loss's sum, the total
 weight and the head's weight gradient are added block by block, in another order than eager's
@@ -21,11 +21,11 @@ import torch
 from cases import OPTIMIZERS, bf16_autocast, eager_steps, make_case, trainable
 from turnip.ir.errors import InfeasibleBudget
 from turnip.memgraph.report import compile_report
-from turnip.memgraph.split import find_loss_head, split_loss_head
+from turnip.trace.split_loss import find_loss_head, split_loss_head
 
 from turnip import engine, memgraph
 
-TRACE = sys.modules["turnip.memgraph.trace"]
+TRACE = sys.modules["turnip.trace.tracer"]
 
 
 def grads(model, loss_fn, batch, split, autocast=False):
@@ -116,7 +116,7 @@ def test_split_training_matches_eager_within_tolerance(gpt, budget, ordering):
 def test_split_runs_below_the_unsplit_steps_smallest_budget():
     """The point of splitting: the largest op shrinks, so a budget the unsplit step refuses runs
     (a vocabulary large beside the model, as in a language model, where the loss head is that op)."""
-    from turnip.bench.models import gpt
+    from turnip import gpt
 
     cfg = gpt.GPTConfig(vocab=4096, d_model=32, n_layers=1, n_heads=2)
     torch.manual_seed(0)
@@ -199,9 +199,9 @@ def test_every_micro_batchs_head_is_split_when_accumulating(gpt):
 def test_auto_split_traces_once(monkeypatch):
     """"auto" splits the graph it traced, unsplit and undonated, instead of tracing the step again for
     each block count it tries (a 7B model's trace takes tens of seconds)."""
-    from turnip.bench.models import gpt
+    from turnip import gpt
 
-    compile_module = sys.modules["turnip.memgraph.compile"]
+    compile_module = sys.modules["turnip.memgraph.compiler"]
     calls = []
     real = compile_module.trace
     monkeypatch.setattr(compile_module, "trace", lambda *a, **kw: calls.append(kw) or real(*a, **kw))

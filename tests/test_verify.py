@@ -16,7 +16,7 @@ from synthetic import chain_of_blocks, random_plan, random_taskgraph
 from turnip.ir.memgraph import Edge, Kind, MemGraph, Place
 from turnip.ir.plan import Plan
 from turnip.memgraph import build, verify
-from turnip.memgraph.build import minimum_budget
+from turnip.memgraph.builder import minimum_budget
 
 
 def built(seed: int, n: int = 80, fraction: float = 0.0) -> MemGraph:

@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 # memgraph first: kernels and planners import its data types, and importing the
 # package in this order means no submodule ever sees a half-initialized one.
-from turnip import (
+from . import (
     engine,
     memgraph,
 )

@@ -16,11 +16,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-from turnip import demo
-from turnip.ir.budget import budget_fields, format_bytes
-from turnip.ir.memgraph import MemGraph, load
-from turnip.memgraph.occupancy import PHASES, arena_timeline, memory_by_phase, phase_of_vertices
-from turnip.memgraph.report import compile_report, plan_mix, predicted_step
+from . import demo
+from .ir.budget import budget_fields, format_bytes
+from .ir.memgraph import MemGraph, load
+from .memgraph.occupancy import PHASES, arena_timeline, memory_by_phase, phase_of_vertices
+from .memgraph.report import compile_report, plan_mix, predicted_step
 
 FORWARDED = {"demo": "python -m turnip.demo", "bench": "python -m turnip.bench"}
 SPARK = " ▁▂▃▄▅▆▇█"

@@ -22,11 +22,11 @@ import time
 import torch
 from torch import nn
 
-from turnip import engine, memgraph
-from turnip.bench.models.gpt import GPT, GPTConfig, example_batch, lm_loss
-from turnip.ir.budget import format_bytes
-from turnip.memgraph.compile import report_printed
-from turnip.memgraph.report import compile_report
+from . import engine, memgraph
+from .gpt import GPT, GPTConfig, example_batch, lm_loss
+from .ir.budget import format_bytes
+from .memgraph.compiler import report_printed
+from .memgraph.report import compile_report
 
 VOCAB = 512
 DISTINCT_BATCHES = 2
@@ -34,7 +34,7 @@ DISTINCT_BATCHES = 2
 
 def gpt2_init(model: GPT) -> GPT:
     """GPT-2's initialisation: weights N(0, 0.02), biases 0, residual projections scaled by
-    1/sqrt(2 * layers). bench/models/gpt.py keeps PyTorch's defaults (N(0, 1) embeddings, tied to
+    1/sqrt(2 * layers). turnip/gpt.py keeps PyTorch's defaults (N(0, 1) embeddings, tied to
     the head, give a first loss near 78 on this vocabulary); the benchmarks depend on those."""
     layers = len(model.blocks)
     for name, module in model.named_modules():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from turnip.bench.peers.common import OptimizerSpec, Workload, parameter_count
+from ..peers.common import OptimizerSpec, Workload, parameter_count
 
 BENCH = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
              "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048}

@@ -14,9 +14,9 @@ from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
-from turnip.bench.models.gpt import GPT, GPTConfig, example_batch
-from turnip.bench.models.llama import llama_workload, lora_workload
-from turnip.bench.peers.common import OptimizerSpec, Workload, parameter_count
+from ...gpt import GPT, GPTConfig, example_batch
+from .llama import llama_workload, lora_workload
+from ..peers.common import OptimizerSpec, Workload, parameter_count
 
 VOCAB, SEQ = 50304, 1024
 GPT_SIZES = {

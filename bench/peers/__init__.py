@@ -17,7 +17,7 @@ DeepSpeed row uses per-block checkpointing too. ``isolated`` runs any of them (a
 process of its own.
 """
 
-from turnip.bench.peers import (
+from . import (
     checkpoint,
     eager,
     offload,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from turnip.bench.peers import eager
-from turnip.bench.peers.common import PeerResult, Workload
+from . import eager
+from .common import PeerResult, Workload
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from turnip import engine
+from ... import engine
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from turnip.bench.peers.common import EAGER_MATH, PeerResult, Workload, guarded, timed_steps, trainable
+from .common import EAGER_MATH, PeerResult, Workload, guarded, timed_steps, trainable
 
 
 def training_step(model, loss_fn, batch, optimizer, forward_context: Callable = contextlib.nullcontext):

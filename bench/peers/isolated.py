@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from turnip.bench.models.llama import Unavailable
-from turnip.bench.models.sizes import make_workload
-from turnip.bench.peers import PEERS, turnip_system
-from turnip.bench.peers.common import ERROR, NOT_INSTALLED, OK, OOM, TIMEOUT, PeerResult, Workload, describe
+from ..models.llama import Unavailable
+from ..models.sizes import make_workload
+from . import PEERS, turnip_system
+from .common import ERROR, NOT_INSTALLED, OK, OOM, TIMEOUT, PeerResult, Workload, describe
 
 log = logging.getLogger(__name__)
 

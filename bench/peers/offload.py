@@ -13,9 +13,9 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from turnip.bench.peers import eager
-from turnip.bench.peers.checkpoint import checkpoint_blocks
-from turnip.bench.peers.common import PeerResult, Workload
+from . import eager
+from .checkpoint import checkpoint_blocks
+from .common import PeerResult, Workload
 
 
 @dataclass

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from turnip.bench.peers.common import ERROR, OK, OOM, TIMEOUT, describe
+from .common import ERROR, OK, OOM, TIMEOUT, describe
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ run, so each configuration must run in a process of its own (the suite's isolati
 from __future__ import annotations
 
 import torch
-from turnip.bench.peers import eager
-from turnip.bench.peers.checkpoint import checkpoint_blocks
-from turnip.bench.peers.common import EAGER_MATH, OK, PeerResult, Workload, trainable_bytes, unavailable
+from . import eager
+from .checkpoint import checkpoint_blocks
+from .common import EAGER_MATH, OK, PeerResult, Workload, trainable_bytes, unavailable
 
 
 def run_config(system: str, workload: Workload, device, steps: int, offload_gradients: bool, **kw) -> PeerResult:

@@ -12,10 +12,10 @@ site directory of its own (``--site torchtune=/tmp/site_tt``, see bench/README.m
 from __future__ import annotations
 
 from torch import nn
-from turnip.bench.peers import eager
-from turnip.bench.peers.checkpoint import checkpoint_blocks
-from turnip.bench.peers.common import EAGER_MATH, PeerResult, Workload, unavailable
-from turnip.bench.peers.offload import ByteCounter
+from . import eager
+from .checkpoint import checkpoint_blocks
+from .common import EAGER_MATH, PeerResult, Workload, unavailable
+from .offload import ByteCounter
 
 
 def output_head(model: nn.Module) -> nn.Module | None:

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from turnip.bench.peers.common import (
+from .common import (
     EAGER_MATH,
     INFEASIBLE,
     PeerResult,
@@ -25,12 +25,12 @@ from turnip.bench.peers.common import (
     timed_steps,
     trainable,
 )
-from turnip.engine.timing_sim import simulate, step_floor, transfer_bytes
-from turnip.ir.memgraph import Kind
-from turnip.memgraph.report import plan_mix
-from turnip.planners.costs import CostModel
+from ...engine.timing_sim import simulate, step_floor, transfer_bytes
+from ...ir.memgraph import Kind
+from ...memgraph.report import plan_mix
+from ...planners.costs import CostModel
 
-from turnip import engine, memgraph
+from ... import engine, memgraph
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def floor_and_sim(mg, device, eager_step_s: float | None, sim_trace: Path | None
     out.update(sim_step_s=sim.step_time, sim_compute_idle_s=sim.compute_idle,
                sim_basis="cost model (measured)" if is_cuda(device) else "analytic H100-class cost model")
     if sim_trace is not None:
-        sim.write_trace(sim_trace, mg, meta={"budget": mg.plan.gpu_budget})
+        sim.write_timeline(sim_trace, mg, meta={"budget": mg.plan.gpu_budget})
         out["sim_trace"] = str(sim_trace)
     return out
 
@@ -138,7 +138,7 @@ def run(workload: Workload, device, steps: int, budget: float, eager_peak: int |
         result.bytes_h2d, result.bytes_d2h = transfer_bytes(mg)
         if trace_path is not None:  # one more (untimed) step, traced; its failure must not cost the timings
             try:
-                engine.run(mg, batch, trace=trace_path)
+                engine.run(mg, batch, timeline=trace_path)
                 result.extra["trace"] = str(trace_path)
             except Exception as exc:  # noqa: BLE001 - includes the time limit running out here
                 log.warning("turnip traced step failed: %r", exc)

@@ -13,7 +13,7 @@ ZeRO-3 integration does that). deepspeed is imported by the callers (it is optio
 from __future__ import annotations
 
 from torch import nn
-from turnip.bench.peers.zero_offload import single_process_env
+from .zero_offload import single_process_env
 
 
 def start_single_process() -> None:

@@ -18,7 +18,7 @@ import time
 
 import torch
 from torch import nn
-from turnip.bench.peers.zero3 import parameter_bytes, partition_to_host, start_single_process
+from .zero3 import parameter_bytes, partition_to_host, start_single_process
 
 log = logging.getLogger(__name__)
 

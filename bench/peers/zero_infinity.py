@@ -17,8 +17,8 @@ import logging
 import time
 
 import torch
-from turnip.bench.peers.checkpoint import checkpoint_blocks
-from turnip.bench.peers.common import (
+from .checkpoint import checkpoint_blocks
+from .common import (
     EAGER_MATH,
     OK,
     PeerResult,
@@ -28,8 +28,8 @@ from turnip.bench.peers.common import (
     trainable_bytes,
     unavailable,
 )
-from turnip.bench.peers.zero3 import parameter_bytes, partition_to_host, start_single_process
-from turnip.bench.peers.zero_offload import ds_config, time_engine_steps
+from .zero3 import parameter_bytes, partition_to_host, start_single_process
+from .zero_offload import ds_config, time_engine_steps
 
 log = logging.getLogger(__name__)
 

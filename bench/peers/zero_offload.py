@@ -23,8 +23,8 @@ import socket
 import time
 
 import torch
-from turnip.bench.peers.checkpoint import checkpoint_blocks
-from turnip.bench.peers.common import (
+from .checkpoint import checkpoint_blocks
+from .common import (
     BF16_WEIGHTS,
     EAGER_MATH,
     OK,

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import logging
 
-from turnip.ir.taskgraph import TaskGraph, TensorRef, Value, ValueKind
-from turnip.kernels.ops import op_name, out_variant
+from ..ir.taskgraph import TaskGraph, TensorRef, Value, ValueKind
+from ..kernels.ops import op_name, out_variant
 
 log = logging.getLogger(__name__)
 

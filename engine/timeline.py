@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from turnip.engine.loop import Record, StaticGraph
-from turnip.ir.describe import short_name
-from turnip.ir.memgraph import Kind, MemGraph
+from .loop import Record, StaticGraph
+from ..ir.describe import short_name
+from ..ir.memgraph import Kind, MemGraph
 
 _LANE_ORDER = {"compute": 0, "h2d": 1, "d2h": 2}
 
@@ -34,7 +34,7 @@ def unit_predecessors(mg: MemGraph) -> dict[int, list[int]]:
     return {head[u]: sorted(head[p] for p in preds) for u, preds in enumerate(graph.predecessors())}
 
 
-def trace_events(mg: MemGraph, records: list[Record], keys: list, origin: float,
+def timeline_events(mg: MemGraph, records: list[Record], keys: list, origin: float,
                  instances: dict[int, int] | None = None, meta: dict | None = None,
                  launched: dict[int, float] | None = None) -> dict:
     """The trace as a dict: {"traceEvents": [...], "displayTimeUnit": "ms", "metadata": {...}}.
@@ -82,10 +82,10 @@ def trace_events(mg: MemGraph, records: list[Record], keys: list, origin: float,
     return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": dict(meta or {})}
 
 
-def write_trace(path: str | Path, mg: MemGraph, records: list[Record], keys: list, origin: float,
+def write_timeline(path: str | Path, mg: MemGraph, records: list[Record], keys: list, origin: float,
                 instances: dict[int, int] | None = None, meta: dict | None = None,
                 launched: dict[int, float] | None = None) -> Path:
     path = Path(path)
-    doc = trace_events(mg, records, keys, origin, instances, meta, launched)
+    doc = timeline_events(mg, records, keys, origin, instances, meta, launched)
     path.write_text(json.dumps(doc, default=str))
     return path

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from turnip.ir.plan import CPU, Plan, Recompute
-from turnip.ir.taskgraph import TaskGraph
-from turnip.planners.ilp import Formulation
-from turnip.planners.memory import Decisions, Evaluation
-from turnip.planners.model import OFFLOAD, RECOMPUTE, Problem
+from ..ir.plan import CPU, Plan, Recompute
+from ..ir.taskgraph import TaskGraph
+from .ilp import Formulation
+from .memory import Decisions, Evaluation
+from .model import OFFLOAD, RECOMPUTE, Problem
 
 
 def from_solution(problem: Problem, f: Formulation, values: list[float]) -> Decisions:

@@ -9,27 +9,27 @@ import sys
 import time
 
 import torch
-from turnip.engine.host_memory import describe_host, pinnable_bytes
-from turnip.engine.timing_sim import simulate
-from turnip.ir.budget import budget_size, check_budget, format_bytes, parse_budget
-from turnip.ir.errors import InfeasibleBudget
-from turnip.ir.memgraph import MemGraph
-from turnip.ir.optimizer import CompiledOptimizer
-from turnip.ir.plan import Plan
-from turnip.ir.taskgraph import TaskGraph
-from turnip.memgraph.build import build, build_walks
-from turnip.memgraph.progress import Phases, stderr_is_terminal
-from turnip.memgraph.recast import recompute_evicted
-from turnip.memgraph.report import compile_report
-from turnip.memgraph.reuse import donate_dying_inputs
-from turnip.memgraph.split import split_loss_head
-from turnip.memgraph.trace import target_device, trace
-from turnip.planners.cache import CachedPlan, PlanCache, plan_key
-from turnip.planners.costs import default_costs
-from turnip.planners.driver import check_options, plan_candidates, run_plan, step_floor
-from turnip.planners.host_update import check_mode as check_host_update
-from turnip.planners.host_update import fused_updates, host_update_candidates
-from turnip.planners.measure import device_name
+from ..engine.host_memory import describe_host, pinnable_bytes
+from ..engine.timing_sim import simulate
+from ..ir.budget import budget_size, check_budget, format_bytes, parse_budget
+from ..ir.errors import InfeasibleBudget
+from ..ir.memgraph import MemGraph
+from ..ir.optimizer import CompiledOptimizer
+from ..ir.plan import Plan
+from ..ir.taskgraph import TaskGraph
+from .builder import build, build_walks
+from .progress import Phases, stderr_is_terminal
+from .remake_offloaded import recompute_evicted
+from .report import compile_report
+from ..trace.passes import DONATE, run_passes
+from ..trace.split_loss import split_loss_head
+from ..trace.tracer import target_device, trace
+from ..planners.cache import CachedPlan, PlanCache, plan_key
+from ..planners.costs import default_costs
+from ..planners.driver import check_options, plan_candidates, run_plan, step_floor
+from ..planners.host_update import check_mode as check_host_update
+from ..planners.host_update import fused_updates, host_update_candidates
+from ..planners.measure import device_name
 
 UNBOUNDED = 1 << 62  # a budget nothing ever exceeds
 GIB = 1 << 30
@@ -90,7 +90,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     accumulation_steps are refused. The outputs come back in pinned host memory on CUDA.
     split: "auto" (default), "off" or an int k >= 2: the loss head of a language model (its LM
     head matmul, log-softmax, NLL loss and their backward) runs as k blocks of rows
-    (memgraph/split.py), so no op holds all the logits and budgets below the unsplit step's
+    (trace/split_loss.py), so no op holds all the logits and budgets below the unsplit step's
     smallest run. The loss sum, the total weight and the head's weight gradient then add block by
     block, in another order than eager's kernels: the step equals eager within float tolerance,
     not bitwise (tests/test_split.py). "auto" splits only a step the budget could not run
@@ -103,7 +103,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     "not predicted" on the CPU backend) to stderr at the end. Both appear only when stderr is a
     terminal, and the report is not printed when logging already shows INFO messages of this
     module. False shows neither. Either way the report is logged at INFO on the logger
-    "turnip.memgraph.compile" (memgraph.report.compile_report(mg) gives the same text, also for a
+    "turnip.memgraph.compiler" (memgraph.report.compile_report(mg) gives the same text, also for a
     loaded MemGraph); library messages go through `logging` only.
     cache: the plan cache (planners/cache.py). True (default): a plan is looked up before planning
     and stored after, as JSON in $TURNIP_CACHE_DIR/plans (default ~/.cache/turnip/plans), keyed by
@@ -282,13 +282,11 @@ MAX_LOSS_BLOCKS = 64
 
 
 def donated(traced: TaskGraph) -> TaskGraph:
-    """A copy of a graph traced with donate=False, with buffer donation applied (memgraph/reuse.py
+    """A copy of a graph traced with donate=False, with buffer donation applied (trace/donate.py
     rewrites vertices in place; the traced graph is kept as it is)."""
     tg = dataclasses.replace(traced, vertices=[dataclasses.replace(v) for v in traced.vertices],
                              values=[dataclasses.replace(v) for v in traced.values])
-    donate_dying_inputs(tg)
-    tg.validate()
-    return tg
+    return run_passes(tg, [DONATE])
 
 
 def split_to_fit(traced: TaskGraph, tg: TaskGraph, gpu_budget: int, alignment: int, costs, progress) -> tuple:
@@ -381,7 +379,7 @@ def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: 
 
 def build_candidates(tg, candidates: list[Plan], alignment: int, costs, backend: str) -> tuple[MemGraph, str | None]:
     """The MemGraph of the plans, and which walk of the builder made it ("ahead", "compact"; None
-    where build chose by itself). On CUDA both walks of each plan are built (memgraph/build.py) and
+    where build chose by itself). On CUDA both walks of each plan are built (memgraph/builder.py) and
     the simulator picks."""
     if backend != "cuda":
         mgs = [build(tg, plan, alignment=alignment) for plan in candidates]
@@ -399,7 +397,7 @@ def build_candidates(tg, candidates: list[Plan], alignment: int, costs, backend:
 
 def amended_if_faster(tg, best: MemGraph, walk: str | None, alignment: int, costs, backend: str) -> MemGraph:
     """``best``, or the MemGraph of its plan amended to recompute what the builder evicted
-    (memgraph/recast.py) when the simulator runs that one faster."""
+    (memgraph/remake_offloaded.py) when the simulator runs that one faster."""
     amended = recompute_evicted(tg, best.plan, best, costs) if costs is not None else None
     if amended is None:
         return best

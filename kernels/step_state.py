@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from turnip.ir.taskgraph import TaskGraph, TensorRef, Vertex
-from turnip.kernels.launch import Resolve, run_vertex
-from turnip.kernels.rng import default_generator
+from ..ir.taskgraph import TaskGraph, TensorRef, Vertex
+from .launch import Resolve, run_vertex
+from .rng import default_generator
 
 
 class RngReplay:

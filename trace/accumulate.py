@@ -21,7 +21,7 @@ l1 + l2 + ... + lk added in order: the loss whose gradient the update applies (w
 from __future__ import annotations
 
 import torch
-from turnip.memgraph.errors import UnsupportedFeature
+from .errors import UnsupportedFeature
 
 
 def check_steps(accumulation_steps) -> int:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from turnip.ir.memgraph import Edge, Kind, MemGraph
-from turnip.ir.plan import GPU, Plan, Recompute
-from turnip.ir.taskgraph import TaskGraph, ValueKind
+from ..ir.memgraph import Edge, Kind, MemGraph
+from ..ir.plan import GPU, Plan, Recompute
+from ..ir.taskgraph import TaskGraph, ValueKind
 
 log = logging.getLogger(__name__)
 

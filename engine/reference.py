@@ -6,11 +6,11 @@ The oracle for every later stage: same kernels, same order as eager PyTorch.
 from __future__ import annotations
 
 import torch
-from turnip.engine.run import check_batch
-from turnip.ir.taskgraph import TaskGraph, TensorRef
-from turnip.kernels.launch import run_vertex
-from turnip.kernels.step import RngReplay, StepContext
-from turnip.kernels.views import ref_view
+from ..ir.batch import check_batch
+from ..ir.taskgraph import TaskGraph, TensorRef
+from ..kernels.launch import run_vertex
+from ..kernels.step_state import RngReplay, StepContext
+from ..kernels.views import ref_view
 
 
 class ReferenceExecutor:
@@ -41,7 +41,7 @@ class ReferenceExecutor:
 
         for vertex in tg.vertices:
             # an in-place op writes every output into its buffer (out= arguments included): give it all of them
-            # and so does an op that reads its own output buffer (memgraph/reuse.py METADATA_ONLY)
+            # and so does an op that reads its own output buffer (trace/donate.py METADATA_ONLY)
             own = set(vertex.outputs)
             reads_own = any(ref.value in own for ref in vertex.refs())
             buffers = [allocate(v) if v >= 0 else None for v in vertex.outputs] if vertex.copy_in or reads_own else None

@@ -27,8 +27,8 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from turnip.ir.optimizer import state_value_name
-from turnip.ir.taskgraph import (
+from ..ir.optimizer import state_value_name
+from ..ir.taskgraph import (
     TaskGraph,
     TensorRef,
     ValueKind,
@@ -36,15 +36,12 @@ from turnip.ir.taskgraph import (
     flatten_batch_structure,
     normalized_positions,
 )
-from turnip.kernels.ops import HIDDEN_MUTATIONS, RUNTIME_SIZED, flatten_returns, is_random, op_name, out_variant
-from turnip.memgraph.accumulate import accumulate, check_steps, loss_outputs, micro_prefix, split
-from turnip.memgraph.constant_checks import eager_answers
-from turnip.memgraph.errors import UnsupportedFeature, UnsupportedOp
-from turnip.memgraph.optim import UpdateEmitter, initial_states, spec_from_optimizer
-from turnip.memgraph.half_width import halve_frozen_casts
-from turnip.memgraph.concat import write_concats_in_place
-from turnip.memgraph.reuse import donate_dying_inputs
-from turnip.memgraph.split import split_loss_head
+from ..kernels.ops import HIDDEN_MUTATIONS, RUNTIME_SIZED, flatten_returns, is_random, op_name, out_variant
+from .accumulate import accumulate, check_steps, loss_outputs, micro_prefix, split
+from .constant_checks import eager_answers
+from .errors import UnsupportedFeature, UnsupportedOp
+from .optimizer_update import UpdateEmitter, initial_states, spec_from_optimizer
+from .passes import run_passes, step_passes
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +333,7 @@ class _GraphReader:
         return vid
 
 
-BACKENDS = ("cpu", "cuda")  # the engine's backends (engine/run.py BACKENDS)
+BACKENDS = ("cpu", "cuda")  # the engine's backends (engine/run_step.py BACKENDS)
 
 
 def target_device(device) -> torch.device:
@@ -360,18 +357,18 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
           backward: bool = True, loss_blocks: int | None = None, donate: bool = True) -> TaskGraph:
     """Trace forward, loss, backward and the optimizer update of one training step.
 
-    donate: rewrite ops whose input dies there to write over it (memgraph/reuse.py); False leaves
+    donate: rewrite ops whose input dies there to write over it (trace/donate.py); False leaves
     the graph as traced (compile splits the loss head of that graph when its budget needs it).
 
     loss_blocks: k >= 2 splits the loss head (LM head matmul, log-softmax, NLL loss and their backward)
-    into k blocks of rows (memgraph/split.py): equal to eager within float tolerance, not bitwise.
+    into k blocks of rows (trace/split_loss.py): equal to eager within float tolerance, not bitwise.
 
     backward=False traces the forward alone (inference, prefill): ``loss_fn(model, batch)`` is then
     any function returning the outputs to keep, a tensor (step output "output"), a tuple or list of
     tensors ("output:0", "output:1", ...) or a dict of str -> tensor ("output:<key>"); no gradient,
     no update, every parameter read-only. It takes no optimizer, clipping or accumulation.
 
-    accumulation_steps: k > 1 traces eager's gradient accumulation (memgraph/accumulate.py): k
+    accumulation_steps: k > 1 traces eager's gradient accumulation (trace/accumulate.py): k
     forward and backward passes, one per micro-batch like example_batch, each backward adding
     into the gradients in place, then one clipping and update; outputs "losses" (the k losses)
     and "loss" (their sum, added in order).
@@ -540,11 +537,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     if not backward:
         for name, node in zip(marks["outputs"], out_node.args[0], strict=True):
             tg.outputs[name] = reader.dense_value(reader.template(node), phase="forward")
-        tg = write_concats_in_place(tg)
-        halve_frozen_casts(tg)
-        if donate:
-            donate_dying_inputs(tg)
-        tg.validate()
+        tg = run_passes(tg, step_passes(donate=donate))
         log.info("traced %d vertices, %d values (forward only)", len(tg.vertices), len(tg.values))
         return tg
     loss_node, *grad_nodes = out_node.args[0]
@@ -562,13 +555,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     else:
         _append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid,
                           fused=device.type == "cuda" if fused_optimizer is None else fused_optimizer)
-    if loss_blocks is not None and loss_blocks >= 2:
-        tg = split_loss_head(tg, loss_blocks)
-    tg = write_concats_in_place(tg)
-    halve_frozen_casts(tg)
-    if donate:
-        donate_dying_inputs(tg)
-    tg.validate()
+    tg = run_passes(tg, step_passes(loss_blocks=loss_blocks, donate=donate))
     log.info("traced %d vertices, %d values", len(tg.vertices), len(tg.values))
     return tg
 

@@ -30,7 +30,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from turnip.ir.taskgraph import TaskGraph, TensorRef, Vertex, drop_unproduced
+from ..ir.taskgraph import TaskGraph, TensorRef, Vertex, drop_unproduced
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-from turnip.ir.describe import format_vertex
-from turnip.ir.memgraph import Edge, Kind, MemGraph, Stream
-from turnip.ir.taskgraph import ValueKind
-from turnip.memgraph.segments import segment_problems
+from ..ir.describe import format_vertex
+from ..ir.memgraph import Edge, Kind, MemGraph, Stream
+from ..ir.taskgraph import ValueKind
+from .segments import segment_problems
 
 START, END = "start", "end"  # virtual writer of the homes / reader of the final homes
 MAX_REPORTS = 40  # per kind of violation

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind, map_refs
+from ..ir.taskgraph import TaskGraph, TensorRef, ValueKind, map_refs
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ scalars eager PyTorch passes them.
 from __future__ import annotations
 
 import torch
-from turnip.ir.optimizer import OptimizerSpec  # re-exported: it moved to ir, where it is saved with the graph
-from turnip.ir.taskgraph import ScalarRef, TaskGraph, TensorRef
-from turnip.kernels.ops import op_name
-from turnip.memgraph.errors import UnsupportedFeature
+from ..ir.optimizer import OptimizerSpec  # re-exported: it moved to ir, where it is saved with the graph
+from ..ir.taskgraph import ScalarRef, TaskGraph, TensorRef
+from ..kernels.ops import op_name
+from .errors import UnsupportedFeature
 
 aten = torch.ops.aten
 

@@ -11,7 +11,7 @@ overload takes a strided view), and ``cat`` shrinks to copies of the other parts
 same kernel's (an elementwise op writes the same value into a strided destination; ``copy_`` and
 ``cat`` both copy bits), so results stay bitwise equal to eager's.
 
-Expressed with the TaskGraph's in-place form (``Vertex.copy_in``, as memgraph/reuse.py does): an
+Expressed with the TaskGraph's in-place form (``Vertex.copy_in``, as trace/donate.py does): an
 uninitialized result (``aten::empty_strided``, which runs nothing), then one new version of it per
 part written, the last version keeping the ``cat``'s value id so its readers are unchanged. The
 builder places each version over the one before (copying only where the order forbids that).
@@ -23,9 +23,9 @@ import dataclasses
 import logging
 
 import torch
-from turnip.ir.taskgraph import TaskGraph, TensorRef, Value, ValueKind, Vertex, drop_unproduced
-from turnip.kernels.ops import op_name, out_variant
-from turnip.memgraph.reuse import ALIASABLE
+from ..ir.taskgraph import TaskGraph, TensorRef, Value, ValueKind, Vertex, drop_unproduced
+from ..kernels.ops import op_name, out_variant
+from .donate import ALIASABLE
 
 log = logging.getLogger(__name__)
 

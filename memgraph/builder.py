@@ -14,14 +14,14 @@ import gc
 import logging
 import time
 
-from turnip.ir.describe import format_task_vertex
-from turnip.ir.errors import InfeasibleBudget
-from turnip.ir.memgraph import Kind, MemGraph
-from turnip.ir.plan import CPU, Plan
-from turnip.ir.taskgraph import TaskGraph
-from turnip.memgraph.horizons import HorizonWalk, OutOfMemory
-from turnip.memgraph.schedule import Schedule
-from turnip.memgraph.segments import find_segments
+from ..ir.describe import format_task_vertex
+from ..ir.errors import InfeasibleBudget
+from ..ir.memgraph import Kind, MemGraph
+from ..ir.plan import CPU, Plan
+from ..ir.taskgraph import TaskGraph
+from .horizons import HorizonWalk, OutOfMemory
+from .schedule import Schedule
+from .segments import find_segments
 
 log = logging.getLogger(__name__)
 

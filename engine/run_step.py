@@ -1,0 +1,148 @@
+"""engine.run: check the batch, pick the backend, run one step through the loop.
+
+    out = engine.run(mg, batch)                       # out["loss"]
+    out = engine.run(mg, batch, ordering="deterministic", timeline="step.json")
+
+Everything that can be checked before work starts (the batch, the ordering,
+stream counts, workspace, locks) is checked first, so a bad call changes nothing.
+A step that fails before any weight was updated can simply be run again. One
+that fails after some weights were updated in place leaves them a mix of two
+steps: the error says so, and every later run, ``mg.state_dict()`` and
+``mg.save()`` refuse until ``mg.release()`` starts over from the compiled weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from .timeline import write_timeline
+from .completions import completion_mode
+from .errors import BatchError, EngineError
+from .loop import Record, Scheduler, drive
+from .policy import Policy, make_policy
+from .resources import StreamPool, WorkspacePool, stream_counts, transfer_depth
+from ..ir.memgraph import MemGraph, Stream
+from ..ir.optimizer import mark_stepped
+from ..ir.batch import check_batch
+
+log = logging.getLogger(__name__)
+
+# mg.device -> module providing create_runtime(mg); imported on first use so a
+# CPU-only install never imports CUDA code.
+BACKENDS = {"cpu": "turnip.engine.cpu", "cuda": "turnip.engine.cuda"}
+
+
+def flatten_batch(mg: MemGraph, batch) -> list[torch.Tensor]:
+    """The batch's tensor leaves, in the traced order, after checking them against the example."""
+    return check_batch(mg.taskgraph, batch)
+
+
+def get_runtime(mg: MemGraph):
+    """mg.runtime, created (arena and storage allocated, initial state written) on first use."""
+    if mg.runtime is not None:
+        return mg.runtime
+    device_type = str(mg.device).split(":")[0]  # "cuda:0" runs on the cuda backend
+    module_name = BACKENDS.get(device_type)
+    if module_name is None:
+        raise EngineError(f"no engine backend for device {mg.device!r} (known: {sorted(BACKENDS)})")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        raise EngineError(f"the {device_type} engine backend ({module_name}) is not available in this "
+                          f"turnip install; run the MemGraph with device='cpu' or install it") from None
+    mg.runtime = module.create_runtime(mg)
+    return mg.runtime
+
+
+def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", timeline: str | Path | None = None,
+        seed: int | None = None, streams: dict | None = None, transfer_ahead: int | None = None,
+        completion: str | None = None, *, trace: str | Path | None = None) -> dict:
+    """Run one training step of ``mg`` on ``batch``; return its outputs (``out["loss"]``).
+
+    A MemGraph compiled with accumulation_steps=k takes a list of k micro-batches, each like the
+    example batch, and returns out["losses"] (the k losses) and out["loss"] (their sum).
+
+    ordering: "nondeterministic" (launch whatever is ready, earliest in mg.serial first),
+    "deterministic" (mg.serial order within each stream class), "random" (seeded random
+    priorities, for fuzzing), or a Policy. timeline: path of a Chrome/Perfetto JSON timeline of the
+    step (engine/timeline.py); ``trace=`` is its former name, still accepted with a DeprecationWarning.
+    streams: stream instances per class, e.g. {"compute": 4, "h2d": 2}.
+    transfer_ahead: on CUDA, copies each copy stream reports to the loop when enqueued rather than
+    when finished (None: the backend's default, engine.resources.CUDA_TRANSFER_AHEAD), so the next
+    copy waits on the device, not on the host, for the one before; the order stays the loop's.
+    completion: on CUDA, how the loop learns that work finished (engine/completions.py): "events"
+    (poll the CUDA event after each unit) or "callback" (a host function per unit puts it on a queue
+    the loop blocks on; needs CuPy); None: engine.completions.CUDA_COMPLETION. The CPU backend's
+    workers always report through a queue: there the name is checked and has no effect.
+    """
+    if trace is not None:
+        warnings.warn("engine.run(trace=...) is now timeline=...", DeprecationWarning, stacklevel=2)
+        timeline = timeline if timeline is not None else trace
+    policy = make_policy(ordering, seed)
+    leaves = flatten_batch(mg, batch)
+    if mg.optimizer is not None and mg.taskgraph.optimizer is not None:
+        mg.taskgraph.optimizer.follow(mg.optimizer.param_groups)
+    runtime = get_runtime(mg)
+    runtime.check_consistent()
+    counts = stream_counts(runtime.device_type, streams)
+    copies_ahead = transfer_depth(runtime.device_type, transfer_ahead)
+    mode = completion_mode(runtime.device_type, completion)
+    with runtime.lock:
+        graph = runtime.graph
+        pool = StreamPool([counts[stream] for stream, _ in graph.keys])
+        scheduler = Scheduler(graph, runtime.ranks(mg, policy), policy.strict, pool,
+                              WorkspacePool(runtime.workspace_capacity))
+        step = runtime.step + 1
+        records: list[Record] = []
+        # fuzzing: random orders also get random worker delays where a backend supports them
+        runtime.fuzz_seed = getattr(policy, "seed", None) if policy.name == "random" else None
+        runtime.timing = timeline is not None  # device timestamps cost events: only for a timeline
+        runtime.transfer_depth = copies_ahead
+        runtime.completion = mode
+        runtime.stream_sizes = pool.sizes
+        # one compute stream per device: no two vertices' op workspaces are ever in use at once
+        runtime.shared_workspace = all(n == 1 for (stream, _), n in zip(graph.keys, pool.sizes)
+                                       if stream is Stream.COMPUTE)
+        runtime.begin_step(mg, leaves, step)
+        completions = runtime.completion_source()
+        notify = completions.put
+        origin = time.perf_counter()
+        ok = False
+        try:
+            drive(mg, scheduler, lambda item: runtime.launch(item, notify), completions, records)
+            outputs = runtime.end_step()
+            # the step counter moves only when the step completed, so a failed step can be rerun
+            runtime.step = step
+            ok = True
+            mark_stepped(mg.optimizer)  # the update ran: LR schedulers stepped next must not warn
+        except EngineError as exc:
+            exc.add_note(f"step {step}, ordering {policy!r}")  # a failing random order can be replayed by seed
+            updated = runtime.home_writers.intersection(scheduler.launch_order)
+            if updated:
+                runtime.mixed = (f"step {step} failed after {len(updated)} of {len(runtime.home_writers)} vertices "
+                                 f"that update weights or optimizer states in place had run: the weights mix steps "
+                                 f"{step - 1} and {step}. Call mg.release() to start again from the compiled "
+                                 f"weights (or load a saved MemGraph)")
+                exc.add_note(runtime.mixed)
+            raise
+        finally:
+            if not ok:
+                runtime.abort_step()
+            runtime.last_records = records
+            runtime.last_launch_order = scheduler.launch_order
+            if timeline is not None:
+                write_timeline(timeline, mg, runtime.device_records(records, origin), graph.keys, origin,
+                               instances={k: n for k, n in enumerate(pool.sizes)},
+                               meta={"step": step, "ordering": policy.name, "policy": repr(policy), "ok": ok,
+                                     "vertices": graph.n, "wall_s": time.perf_counter() - origin},
+                               launched=runtime.launched)
+        log.debug("step %d: %d vertices in %.3f ms (%s)", step, graph.n,
+                  (time.perf_counter() - origin) * 1e3, policy)
+        return outputs
