@@ -8,11 +8,11 @@ Every other package (kernels, planners, memgraph, engine, bench) imports from he
 the other way, so the flow trace -> plan -> MemGraph -> engine reads in one direction.
 """
 
-from turnip.ir.errors import InfeasibleBudget
-from turnip.ir.memgraph import Edge, Kind, MemGraph, MVertex, Place, Stream
-from turnip.ir.optimizer import OptimizerSpec
-from turnip.ir.plan import CPU, GPU, Plan, Recompute
-from turnip.ir.taskgraph import TaskGraph, TensorRef, Value, ValueKind, Vertex
+from .errors import InfeasibleBudget
+from .memgraph import Edge, Kind, MemGraph, MVertex, Place, Stream
+from .optimizer import OptimizerSpec
+from .plan import CPU, GPU, Plan, Recompute
+from .taskgraph import TaskGraph, TensorRef, Value, ValueKind, Vertex
 
 __all__ = ["CPU", "GPU", "Edge", "InfeasibleBudget", "Kind", "MVertex", "MemGraph", "OptimizerSpec", "Place", "Plan", "Recompute",
            "Stream", "TaskGraph", "TensorRef", "Value", "ValueKind", "Vertex"]

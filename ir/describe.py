@@ -9,9 +9,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnip.ir.budget import format_bytes
-from turnip.ir.memgraph import Kind, MemGraph
-from turnip.ir.taskgraph import TaskGraph
+from .budget import format_bytes
+from .memgraph import Kind, MemGraph
+from .taskgraph import TaskGraph
 
 
 @dataclass(frozen=True)

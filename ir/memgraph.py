@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from turnip.ir import serialize
-from turnip.ir.budget import budget_fields
-from turnip.ir.optimizer import CompiledOptimizer, OptimizerSpec
-from turnip.ir.plan import Plan, Recompute
-from turnip.ir.taskgraph import ScalarRef, TaskGraph, TensorRef, Value, ValueKind, Vertex
+from . import serialize
+from .budget import budget_fields
+from .optimizer import CompiledOptimizer, OptimizerSpec
+from .plan import Plan, Recompute
+from .taskgraph import ScalarRef, TaskGraph, TensorRef, Value, ValueKind, Vertex
 
 FORMAT_VERSION = serialize.VERSION
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from turnip.ir.taskgraph import TensorRef
+from .taskgraph import TensorRef
 
 # hyperparameters a step reads as host scalars, so an LR scheduler (or a user) may change them between
 # steps; a change that alters the traced update itself (a zero becoming non-zero) needs a new compile

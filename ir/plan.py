@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from turnip.ir.taskgraph import TaskGraph, TensorRef, ValueKind, map_refs
+from .taskgraph import TaskGraph, TensorRef, ValueKind, map_refs
 
 GPU = "gpu"
 CPU = "cpu"

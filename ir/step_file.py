@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from turnip.ir import serialize
-from turnip.ir.memgraph import FILE_TYPES
-from turnip.ir.taskgraph import TaskGraph
+from . import serialize
+from .memgraph import FILE_TYPES
+from .taskgraph import TaskGraph
 
 
 def save_step(tg: TaskGraph, path: str | Path) -> None:
