@@ -4,7 +4,9 @@
     python -m turnip.bench suite --tiny                 # the whole suite on the CPU in < 1 min (CI)
     python -m turnip.bench ablation [--tiny] [--device cuda]
     python -m turnip.bench plots [--results DIR]        # redraw PNGs from saved JSON
-    python -m turnip.bench table [--results DIR]        # the tables again, split runs of a model merged
+    python -m turnip.bench table [--results DIR] [--full]   # the newest run per model as one markdown table
+                                                          # (the README's); --full, or naming DIR: then each
+                                                          # model's full tables, split runs merged
 
 Results go to bench/results/ (or $TURNIP_RESULTS, or --out).
 """
@@ -33,6 +35,7 @@ from .suite import (
     parse_budgets,
     run_suite,
 )
+from .table import format_newest
 from ..ir.budget import BudgetError
 
 
@@ -115,7 +118,14 @@ def plots(args) -> int:
 
 
 def table(args) -> int:
+    """The newest suite run of each model under the folder, at any depth, as one markdown table (bench/table.py);
+    then, with --full or a folder named by --results, every model's full table and same-memory view from the
+    folder's own suite_*.json, split runs of a model merged."""
     folder = Path(args.results) if args.results else _out(args)
+    print(format_newest(folder))
+    if not (args.full or args.results):
+        return 0
+    print()
     for model, rows in sorted(load_suite_rows(folder).items()):
         annotate(rows)  # merged rows: compare them again
         print(format_table(rows))
@@ -155,6 +165,8 @@ def main(argv=None) -> int:
     parser.add_argument("--system-limit", type=float, default=240.0, help="seconds for any one system")
     parser.add_argument("--peer-limit", type=float, default=150.0,
                         help="seconds for any one system other than turnip (its process start included)")
+    parser.add_argument("--full", action="store_true", help="table: each model's full tables too (the default "
+                        "when --results names the folder)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)

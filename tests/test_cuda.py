@@ -268,7 +268,7 @@ def test_updates_on_the_host_match_eager(completion, ordering):
     """host_update="all": every fused AdamW update runs on the host's cores (CPU _fused_adamw_) on the
     pinned homes of its parameter and states; within float tolerance of eager stepping the same CPU
     kernel (ZeRO-Offload's way). Against eager's CUDA fused AdamW it is not: where sqrt(v) is near
-    eps the two kernels' formulations part by up to about lr (bench/results/h100/cuda_tests_host.txt)."""
+    eps the two kernels' formulations part by up to about lr (bench/results/test_logs/cuda_tests_host_788d9fb.txt)."""
     if completion == "callback":
         pytest.importorskip("cupy", reason="completion='callback' needs CuPy")
     model, loss_fn, batches = make_case("gpt", dropout=0.1, device="cuda")

@@ -132,7 +132,7 @@ def test_the_host_lane_runs_its_kernels_on_fewer_threads_than_the_loop():
     """The CUDA backend's host lane leaves a core to the loop thread, which polls events; the loop
     thread's own OpenMP count stays as it was, and so does MKL's, which some builds keep per process
     (the H100 machine's: a CPU step that ran after a CUDA test's host lane summed differently from
-    eager's, bench/results/h100/cuda_tests_decf6b0.txt)."""
+    eager's, bench/results/test_logs/cuda_tests_decf6b0.txt)."""
     before, mkl_before = torch.get_num_threads(), mkl_threads()
     lane = HostStream("test-host", threads=1)
     seen = []

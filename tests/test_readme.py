@@ -5,6 +5,10 @@ user pasting it into a file would run it: it must exit 0, print its final line (
 its own asserts that losses, weights and optimizer states equal eager PyTorch's), and write the
 MemGraph file it saves. The same code with one of its features broken must fail its own check, so
 the check really compares something.
+
+The README stays short (under 300 lines: the reference is docs/guide.md, the measurements are the
+dated files of bench/results/, each linked from bench/results/README.md), and every file or link
+the README, the guide and the results files name exists.
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ from turnip.ir import serialize
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DESIGN = ROOT / "docs" / "design.md"
+GUIDE = ROOT / "docs" / "guide.md"
+RESULTS = ROOT / "bench" / "results"
+RESULTS_INDEX = RESULTS / "README.md"
+README_MAX_LINES = 300
+MODULE_PATH = r"`((?:ir|trace|memgraph|planners|engine|kernels|turnip|bench|tests)/[\w/]+\.(?:py|sh|md))`"
 TUTORIAL_HEADING = "## Tutorial"
 FINAL_LINE = "losses, weights and optimizer states bitwise equal to eager PyTorch"
 SCHEDULER_WARNING = re.escape("Detected call of `lr_scheduler.step()` before `optimizer.step()`")
@@ -89,22 +98,89 @@ def test_the_cpu_torch_note_comes_before_the_first_command():
     assert 'pip install -e ".[dev]" && python -m pytest' in text
 
 
-def test_files_the_readme_names_exist():
-    text = README.read_text()
-    assert "(docs/design.md)" in text and DESIGN.is_file()
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"^```.*?^```$", "", text, flags=re.DOTALL | re.MULTILINE)  # a "# comment" in code is no heading
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", text, flags=re.MULTILINE)}
+
+
+def broken_links(doc: Path) -> list[str]:
+    """The relative links of a markdown file (``[text](path)``, images too) whose file, or whose #anchor in a
+    markdown file, does not exist; web links are not followed."""
+    broken = []
+    for target in re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", doc.read_text()):
+        if re.match(r"^[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        if not file.exists() or (anchor and file.suffix == ".md" and anchor not in heading_anchors(file.read_text())):
+            broken.append(target)
+    return broken
+
+
+@pytest.mark.parametrize("doc", [README, GUIDE], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_files_the_docs_name_exist(doc):
+    text = doc.read_text()
     named = set(re.findall(r"bench/results/[\w./*-]+\.(?:json|png)", text))
-    assert named, "the README names no result files"
+    assert named, f"{doc.name} names no result files"
     missing = sorted(p for p in named if not list(ROOT.glob(p)))
-    assert not missing, f"README.md names result files that do not exist: {missing}"
-    for path in re.findall(r"`((?:ir|memgraph|planners|engine|kernels|turnip|bench|tests)/[\w/]+\.(?:py|sh|md))`",
-                           text):
-        assert (ROOT / path).is_file(), f"README.md names {path}, which does not exist"
+    assert not missing, f"{doc.name} names result files that do not exist: {missing}"
+    for path in re.findall(MODULE_PATH, text):
+        assert (ROOT / path).is_file(), f"{doc.name} names {path}, which does not exist"
+    assert not broken_links(doc), f"{doc.relative_to(ROOT)} links to what does not exist: {broken_links(doc)}"
+
+
+def test_the_readme_links_the_guide_the_design_and_the_results():
+    text = README.read_text()
+    for target in ("docs/guide.md", "docs/design.md", "bench/README.md", "bench/results/README.md"):
+        assert f"]({target})" in text, f"README.md does not link {target}"
+        assert (ROOT / target).is_file()
+    for result in sorted(RESULTS.glob("2*.md")):
+        assert f"](bench/results/{result.name})" in text, f"README.md does not link bench/results/{result.name}"
+
+
+def test_the_readme_is_short():
+    lines = len(README.read_text().splitlines())
+    assert lines < README_MAX_LINES, f"README.md has {lines} lines: move reference to docs/guide.md, results to " \
+                                     f"bench/results/<date>_<device>_<topic>.md"
+
+
+def test_every_results_file_is_in_the_index_and_its_links_resolve():
+    """Each dated results file is named <yyyy-mm-dd>_<device>_<topic>.md, linked from bench/results/README.md,
+    and its own links (to the JSON and PNG beside it, the test logs, the other results files) resolve."""
+    index = RESULTS_INDEX.read_text()
+    files = sorted(f for f in RESULTS.glob("*.md") if f != RESULTS_INDEX)
+    assert files, "no results files under bench/results/"
+    for file in files:
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_[a-z0-9]+_[\w.-]+\.md", file.name), \
+            f"bench/results/{file.name} is not named <yyyy-mm-dd>_<device>_<topic>.md"
+        assert f"]({file.name})" in index, f"bench/results/README.md does not link {file.name}"
+    listed = re.findall(r"^- \[[^\]]*\]\((\d{4}-\d{2}-\d{2})_", index, flags=re.MULTILINE)
+    assert listed == sorted(listed, reverse=True), "bench/results/README.md lists its files newest first"
+    for doc in [RESULTS_INDEX, *files]:
+        assert not broken_links(doc), f"{doc.relative_to(ROOT)} links to what does not exist: {broken_links(doc)}"
+
+
+def test_no_test_reads_a_test_log():
+    """The CUDA test logs sit in bench/results/test_logs/, which no test reads: a test that needs a fact
+    states it, not a log of a run."""
+    logs = RESULTS / "test_logs"
+    assert sorted(logs.glob("cuda_tests_*.txt")), "no CUDA test logs in bench/results/test_logs/"
+    elsewhere = [p.relative_to(ROOT).as_posix() for p in RESULTS.rglob("cuda_tests_*") if p.parent != logs]
+    assert not elsewhere, f"CUDA test logs outside bench/results/test_logs/: {elsewhere}"
+    for test in sorted((ROOT / "tests").glob("*.py")):
+        if test.name == Path(__file__).name:  # this test names the folder to check it
+            continue
+        code = re.sub(r'"""(?:.|\n)*?"""', "", test.read_text())  # docstrings may say where a log is
+        assert "test_logs" not in code and "cuda_tests_" not in code, f"{test.name} reads a test log"
 
 
 def package_modules() -> dict[str, list[str]]:
     """Every module file of the packages, by the repository folder that holds it."""
     found = {}
-    for package in ("turnip.ir", "turnip.memgraph", "turnip.planners", "turnip.engine", "turnip.kernels", "turnip"):
+    for package in ("turnip.ir", "turnip.trace", "turnip.memgraph", "turnip.planners", "turnip.engine",
+                    "turnip.kernels", "turnip"):
         folder = Path(importlib.util.find_spec(package).submodule_search_locations[0])
         found[folder.name] = [f.name for f in sorted(folder.glob("*.py")) if f.name != "__init__.py"]
     return found
