@@ -49,7 +49,7 @@ from .peers.common import OK, TIMEOUT, release_memory, sync, unavailable
 from .peers.spawned import call_spawned
 from .profile_step import kernel_profile
 from .results import result_path, run_metadata
-from ..engine.timing_sim import step_floor, transfer_bytes
+from ..engine.timing_sim import time_floor, transfer_bytes
 from ..ir.budget import BudgetError, budget_size, check_budget, format_bytes, parse_budget
 from ..planners.costs import CostModel
 
@@ -206,7 +206,7 @@ def run_turnip(model, ids: torch.Tensor, budget: str, cfg: PrefillConfig,
         times, out = _timed(lambda: engine.run(mg, ids)["output"], cfg.steps, cfg.warmup, cfg.device)
         moved_in, moved_out = transfer_bytes(mg)
         costs = CostModel(device=mg.device)
-        floor = step_floor(mg, costs)
+        floor = time_floor(mg, costs)
         row.update(status="ok", step_s=statistics.median(times), steps_s=times, peak_allocated=_peak(cfg.device),
                    arena_bytes=mg.arena_bytes, pinned_bytes=mg.cpu_bytes, bytes_h2d=moved_in, bytes_d2h=moved_out,
                    floor_s=max(floor["compute"], floor["h2d"]), floor_compute_s=floor["compute"],

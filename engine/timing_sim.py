@@ -266,7 +266,7 @@ def transfer_bytes(mg: MemGraph) -> tuple[int, int]:
     return b_in, b_out
 
 
-def step_floor(mg: MemGraph, costs: Any = None, bandwidth: Any = None, *, host_per_vertex: float | None = None,
+def time_floor(mg: MemGraph, costs: Any = None, bandwidth: Any = None, *, host_per_vertex: float | None = None,
                backend: str = "cuda") -> dict:
     """Lower bound on the step: max(compute incl. recompute and copies, bytes in / H2D bw, bytes out / D2H bw,
     vertices x host seconds per launch, the host lane's optimizer updates one after another) as

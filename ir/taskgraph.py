@@ -22,6 +22,8 @@ from typing import Any
 
 from torch.utils import _pytree as pytree
 
+from .sizes import aligned
+
 
 class ValueKind(str, enum.Enum):
     BATCH = "batch"  # user input, copied in each step
@@ -280,7 +282,7 @@ class TaskGraph:
         order = list(range(len(self.vertices))) if order is None else order
 
         def size(vid: int) -> int:
-            return -(-self.values[vid].nbytes // alignment) * alignment
+            return aligned(self.values[vid].nbytes, alignment)
 
         last_use = {}
         for pos, vid in enumerate(order):
@@ -303,6 +305,10 @@ class TaskGraph:
             # outputs nobody reads die at once
             live -= sum(size(o) for o in vertex.outputs if o >= 0 and o not in last_use and o not in keep)
         return peak
+
+    def has_costs(self) -> bool:
+        """Every vertex carries a time (a cost model annotated the graph, or its maker set them)."""
+        return all(v.time > 0 for v in self.vertices)
 
     def step_workspace(self) -> int:
         """GPU bytes a step needs beside its arena at worst: the largest op workspace plus the

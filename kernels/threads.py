@@ -24,7 +24,7 @@ def kernel_threads(threads: int, restore: int) -> Iterator[None]:
     H100 machine's), MKL's for the whole process: left at ``threads``, a CPU matmul anywhere in the
     process would run on that many threads afterwards, and sum differently from eager's (a CPU test
     that ran after a CUDA test's host lane differed from eager by 7e-10,
-    bench/results/h100/cuda_tests_decf6b0.txt). So the count is set back after every job. Setting
+    bench/results/test_logs/cuda_tests_decf6b0.txt). So the count is set back after every job. Setting
     OpenMP's count alone, through ctypes, measured slower on the H100 machine (gpt350m at 25% with
     every update on the host: 274 ms this way, 424 and 509 ms through ctypes)."""
     torch.set_num_threads(threads)

@@ -18,6 +18,7 @@ from ..ir.describe import format_task_vertex
 from ..ir.errors import InfeasibleBudget
 from ..ir.memgraph import Kind, MemGraph
 from ..ir.plan import CPU, Plan
+from ..ir.sizes import aligned
 from ..ir.taskgraph import TaskGraph
 from .horizons import HorizonWalk, OutOfMemory
 from .schedule import Schedule
@@ -31,7 +32,7 @@ def _attempt(tg: TaskGraph, order: list[int], plan: Plan, alignment: int, gpu_bu
     started = time.perf_counter()
     sched = sched or Schedule(tg, order, plan, alignment)
     scheduled = time.perf_counter() - started
-    if gpu_budget < sched.min_gpu_budget()[0]:
+    if gpu_budget < sched.plan_floor()[0]:
         raise OutOfMemory("gpu", -1)  # some step cannot fit: no need to simulate
     mg = HorizonWalk(tg, order, plan, alignment, gpu_budget, sched, compact, prefetch).run()
     mg.stats["seconds_schedule"] = scheduled
@@ -50,7 +51,7 @@ def minimum_budget(tg: TaskGraph, plan: Plan, alignment: int = 256, compact: boo
 def _minimum(graph: TaskGraph, order: list[int], plan: Plan, alignment: int,
              compact: bool = False) -> tuple[int, int]:
     sched = Schedule(graph, order, plan, alignment)
-    low, step = sched.min_gpu_budget()
+    low, step = sched.plan_floor()
     vertex = sched.task_vertex_of(graph, step)
 
     def works(budget: int) -> bool:
@@ -67,7 +68,7 @@ def _minimum(graph: TaskGraph, order: list[int], plan: Plan, alignment: int,
 
     if plan.cpu_budget is None or works(low):
         return low, vertex
-    high = -(-(low + sum(sched.size)) // alignment) * alignment  # every value in its own bytes
+    high = aligned(low + sum(sched.size), alignment)  # every value in its own bytes
     if not works(high):
         raise InfeasibleBudget(f"plan.cpu_budget={plan.cpu_budget} bytes is too small for this plan at any GPU "
                                f"budget (tried up to {high} bytes)", minimum=high, vertex=vertex, resource="cpu")

@@ -23,6 +23,7 @@ from collections import defaultdict
 
 from ..ir.describe import format_vertex
 from ..ir.memgraph import Edge, Kind, MemGraph, Stream
+from ..ir.sizes import arena_capacity
 from ..ir.taskgraph import ValueKind
 from .segments import segment_problems
 
@@ -337,7 +338,7 @@ class _Verifier:
     def _check_bounds(self) -> None:
         mg, tg = self.mg, self.tg
         workspace = tg.step_workspace()
-        if mg.arena_bytes > mg.plan.gpu_budget - workspace:
+        if mg.arena_bytes > arena_capacity(mg.plan.gpu_budget, workspace, mg.alignment):
             self.report("d", f"arena of {mg.arena_bytes} bytes + workspace {workspace} exceeds the GPU budget "
                              f"{mg.plan.gpu_budget}")
         if mg.plan.cpu_budget is not None and mg.cpu_bytes > mg.plan.cpu_budget:

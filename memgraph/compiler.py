@@ -11,7 +11,7 @@ import time
 import torch
 from ..engine.host_memory import describe_host, pinnable_bytes
 from ..engine.timing_sim import simulate
-from ..ir.budget import budget_size, check_budget, format_bytes, parse_budget
+from ..ir.budget import Budget, format_bytes
 from ..ir.errors import InfeasibleBudget
 from ..ir.memgraph import MemGraph
 from ..ir.optimizer import CompiledOptimizer
@@ -26,7 +26,7 @@ from ..trace.split_loss import split_loss_head
 from ..trace.tracer import target_device, trace
 from ..planners.cache import CachedPlan, PlanCache, plan_key
 from ..planners.costs import default_costs
-from ..planners.driver import check_options, plan_candidates, run_plan, step_floor
+from ..planners.driver import check_options, plan_candidates, run_plan, smallest_budget
 from ..planners.host_update import check_mode as check_host_update
 from ..planners.host_update import fused_updates, host_update_candidates
 from ..planners.measure import device_name
@@ -117,20 +117,19 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     picks) or "all" (every fused update, its parameters and states homed on the CPU). Needs the
     fused optimizer (the CUDA default). Off by default because it changes the numbers: torch's CPU
     fused AdamW is not the CUDA kernel, and where sqrt(exp_avg_sq) is near eps the two differ by
-    up to about lr; and because on the H100 it is slower so far (README, "Updates on the host").
+    up to about lr; and because on the H100 it is slower so far (bench/results/2026-11-24_h100_near-whole-plan-host-updates.md).
     planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
     the ILP solver may run; default None, scaled to the problem: planners/driver.py's
-    ilp_time_limit, 0.5 ms per binary variable, 10 ms with op costs measured on the GPU, within
+    ilp_time_limit, 0.5 ms per binary variable, 15 ms with op costs measured on the GPU, within
     1-60 s; the ILP starts from the greedy plan and returns it when it finds nothing better in
     time), headroom, windows, gap, depth, reload_room (experimental, default False: count a planned
     reload's bytes from its prefetch window, not from its use),
     max_candidates, max_chain, max_items, order, solver, threads, msg; and costs, a
     planners.costs.CostModel (default: measured on a present CUDA device, analytic otherwise).
     """
-    check_budget(budget)  # a budget that cannot be read fails before tracing, not after
+    gpu_limit = Budget.read(budget)  # read once, here: a budget that cannot be read fails before tracing
     check_host_update(host_update)
-    if cpu_budget is not None:
-        check_budget(cpu_budget, what="cpu_budget")
+    cpu_limit = Budget.read(cpu_budget, what="cpu_budget") if cpu_budget is not None else None
     store = PlanCache.open(cache)
     if planner != "none":  # so are unknown planners and options (a cached plan would not see them)
         check_options(planner, **{k: v for k, v in planner_options.items() if k != "costs"})
@@ -162,13 +161,13 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             # compact: reuse freed bytes first, so the arena is the peak rather than the sum of all values
             keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=alignment, compact=True)
             peak = unplanned_peak(keep_all)
-            gpu_budget = parse_budget(budget, peak)
-            cpu_bytes = parse_budget(cpu_budget, peak, what="cpu_budget") if cpu_budget is not None else None
+            gpu_budget = gpu_limit.bytes(peak)
+            cpu_bytes = cpu_limit.bytes(peak) if cpu_limit is not None else None
             log.debug("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
                       time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
-            if traced is not None and planner != "none" and gpu_budget < step_floor(tg, alignment):
+            if traced is not None and planner != "none" and gpu_budget < smallest_budget(tg, alignment):
                 tg, loss_blocks = split_to_fit(traced, tg, gpu_budget, alignment, costs, progress)
-            elif traced is not None and not backward and budget_size(budget) is not None:
+            elif traced is not None and not backward and gpu_limit.size is not None:
                 whole = undonated_if_it_fits(traced, gpu_budget, alignment, costs)
                 if whole is not None:
                     tg, keep_all, peak = whole
@@ -305,13 +304,13 @@ def split_to_fit(traced: TaskGraph, tg: TaskGraph, gpu_budget: int, alignment: i
         if costs is not None:
             costs.annotate(candidate)
         best, blocks = candidate, k
-        if gpu_budget >= step_floor(candidate, alignment):
+        if gpu_budget >= smallest_budget(candidate, alignment):
             break
         k *= 2
     if blocks:
         log.info("the budget %s is below the unsplit step's smallest (%s): its loss head runs in %d row blocks "
-                 "(smallest budget now %s)", format_bytes(gpu_budget), format_bytes(step_floor(tg, alignment)),
-                 blocks, format_bytes(step_floor(best, alignment)))
+                 "(smallest budget now %s)", format_bytes(gpu_budget), format_bytes(smallest_budget(tg, alignment)),
+                 blocks, format_bytes(smallest_budget(best, alignment)))
     return best, blocks
 
 

@@ -30,6 +30,7 @@ from collections import Counter
 
 from ..ir.memgraph import Edge, Kind, MemGraph, Place, Stream
 from ..ir.plan import Plan
+from ..ir.sizes import arena_capacity
 from ..ir.taskgraph import TaskGraph, ValueKind
 from .alloc import START, RangeAllocator, Tenancy, wait_for
 from .packing import pack, stays
@@ -84,7 +85,7 @@ class HorizonWalk:
         nsteps = len(sched.steps)
         self.pre_cost = nsteps + 1  # a reservation is cheaper to clear than any resident value
         self.free_cost = 3 * (nsteps + 2)
-        capacity = (gpu_budget - sched.max_workspace) // alignment * alignment
+        capacity = arena_capacity(gpu_budget, sched.max_workspace, alignment)
         cpu_limit = UNBOUNDED if plan.cpu_budget is None else plan.cpu_budget // alignment * alignment
         self._place_homes(capacity, cpu_limit)
 

@@ -14,14 +14,10 @@ from __future__ import annotations
 import itertools
 
 from ..ir.plan import CPU, GPU, Plan
+from ..ir.sizes import aligned
 from ..ir.taskgraph import TaskGraph, TensorRef, ValueKind
 
 TASK, OUT, WB = 0, 1, 2
-
-
-def aligned(nbytes: int, alignment: int) -> int:
-    """Bytes a value takes in the arena: at least one alignment unit."""
-    return -(-max(int(nbytes), 1) // alignment) * alignment
 
 
 def _inputs(vertex) -> list[int]:
@@ -155,7 +151,7 @@ class Schedule:
                              f"optimizer update whose parameters and states are all homed on the CPU, each "
                              f"updated in place, runs on the host")
 
-    def min_gpu_budget(self) -> tuple[int, int]:
+    def plan_floor(self) -> tuple[int, int]:
         """(smallest GPU budget the builder can always run in when CPU storage is unbounded,
         the step needing it)."""
         if not self.steps:

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..ir.budget import format_bytes
 from ..ir.errors import InfeasibleBudget
 from ..ir.plan import Plan
+from ..ir.sizes import aligned
 from ..ir.taskgraph import TaskGraph
 from . import ilp, solver
 from .costs import CostModel, default_costs
@@ -82,7 +83,8 @@ def check_options(method: str, time_limit: float | None = None, **opts) -> None:
 def make_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, costs: CostModel | None = None,
                  **opts) -> Problem:
     costs = costs if costs is not None else default_costs(tg)
-    costs.annotate(tg)
+    if not tg.has_costs():  # compile annotates once, before planning
+        costs.annotate(tg)
     model = {k: v for k, v in opts.items() if k in _MODEL_OPTS and v is not None}
     model.setdefault("alignment", 256 if tg.device == "cuda" else 64)
     # the host cost is the engine's that will run the graph, so the graph's device picks it
@@ -116,7 +118,8 @@ def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = Non
     if not (method == "auto" and "headroom" not in opts):
         return _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, describe, **opts)
     costs = costs if costs is not None else default_costs(tg)
-    costs.annotate(tg)  # once, before the threads read the graph
+    if not tg.has_costs():  # once, before the threads read the graph
+        costs.annotate(tg)
     # Between the default headroom and the whole budget the simulated step is not monotonic: on the
     # H100 exports gpt350m at 50% simulates at 81.2 ms with the default, 74.7 with 0.97 and 79.1 with
     # 0.99 (bench/results/h100/steps; the builder packs a plan of 0.97 without evicting more)
@@ -145,7 +148,7 @@ def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, m
     started = time.perf_counter()
     costs = costs if costs is not None else default_costs(tg)
     problem = make_problem(tg, gpu_budget, cpu_budget, costs, **opts)
-    floor = builder_floor(problem)
+    floor = smallest_budget(problem.tg, problem.alignment)
     if gpu_budget < floor:
         raise_infeasible(problem, floor)
     describe("greedy")
@@ -237,20 +240,13 @@ def _finish(problem: Problem, dec: Decisions, ev: Evaluation, planner: str, stat
     return to_plan(problem, dec, ev, planner, stats)
 
 
-def builder_floor(problem: Problem) -> int:
-    """The smallest GPU budget any plan of ``problem`` can run in (step_floor)."""
-    return step_floor(problem.tg, problem.alignment)
-
-
-def step_floor(tg: TaskGraph, alignment: int) -> int:
+def smallest_budget(tg: TaskGraph, alignment: int) -> int:
     """The smallest GPU budget any plan can run in: every weight homed on the CPU, the largest
     single step's inputs and outputs in the arena, plus the largest workspace (BuildMemGraph
     builds every budget from there up when pinned storage is unbounded). An in-place update's
     new version takes its old version's bytes, so it is counted once."""
-    a = max(1, alignment)
-
     def size(v: int) -> int:
-        return -(-max(tg.values[v].nbytes, 1) // a) * a
+        return aligned(tg.values[v].nbytes, alignment)
 
     need = 0
     for vertex in tg.vertices:

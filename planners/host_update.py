@@ -18,7 +18,7 @@ host lane, picks among them:
 differs from the plan), "all" replaces each plan by its share-1.0 variant, "off" leaves the plans
 alone.
 
-Measured on the H100 machine it loses to streaming the states (README, "updates on the host"): the
+Measured on the H100 machine it loses to streaming the states (bench/results/2026-11-24_h100_near-whole-plan-host-updates.md): the
 CPU step shares the host's memory bandwidth with the link's copies, and the simulator, which does
 not model that sharing beyond the rate measured beside copies, is 28-63% optimistic about it.
 memgraph.compile therefore defaults to "off".

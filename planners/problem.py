@@ -15,6 +15,7 @@ import math
 from collections import Counter
 
 import numpy as np
+from ..ir.sizes import aligned, arena_capacity
 from ..ir.taskgraph import TaskGraph, ValueKind
 from .model import KEEP, OFFLOAD, RECOMPUTE, Group, Item, Option, Problem, make_windows, step_order
 
@@ -52,7 +53,7 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
         window_of[s:e + 1] = k
 
     def size(vid: int) -> int:
-        return -(-tg.values[vid].nbytes // alignment) * alignment
+        return aligned(tg.values[vid].nbytes, alignment)
 
     phase = [tg.vertices[v].phase for v in order]
     readers: list[list[int]] = [[] for _ in tg.values]
@@ -264,8 +265,8 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
     base_compute = np.zeros(len(win_start), dtype=np.float64)
     np.add.at(base_compute, window_of, times)
     base_host = _base_host(tg, pos, window_of, len(win_start), readers, host_per_vertex)
-    max_ws = max((-(-tg.vertices[v].workspace // alignment) * alignment for v in order), default=0) + tg.runtime_reserve
-    cap = math.floor(headroom * (gpu_budget - max_ws))
+    max_ws = tg.step_workspace()
+    cap = math.floor(headroom * arena_capacity(gpu_budget, max_ws, alignment))
     problem = Problem(tg=tg, order=order, pos=pos, times=times, win_start=win_start, win_end=win_end,
                       window_of=window_of, base=base, base_compute=base_compute, base_h2d=base_h2d,
                       base_d2h=np.zeros(len(win_start)), base_host=base_host, groups=groups, items=items,

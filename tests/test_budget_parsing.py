@@ -7,8 +7,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from cases import make_case
 from turnip.bench.models import mlp
-from turnip.ir.budget import BudgetError, budget_fields, check_budget, format_bytes, parse_budget
+from turnip.ir.budget import Budget, BudgetError, budget_fields, check_budget, format_bytes, parse_budget
+from turnip.ir.plan import CPU, Plan
+from turnip.ir.sizes import aligned
+from turnip.memgraph.schedule import Schedule
+from turnip.planners.driver import smallest_budget
 
 from turnip import memgraph
 
@@ -136,3 +141,28 @@ def test_compile_reads_every_form_of_a_fraction_alike(budget):
                           verbose=False)
     assert mg.plan.gpu_budget == int(0.5 * mg.stats["unplanned_peak"])
     assert mg.arena_bytes <= mg.plan.gpu_budget
+
+
+def test_a_budget_is_read_once_into_its_form():
+    assert Budget.read("50%") == Budget(fraction=0.5, given="'50%'")
+    assert Budget.read("6GiB").size == 6 * GiB and Budget.read("6GiB").fraction is None
+    assert Budget.read(0.25).bytes(PEAK) == PEAK // 4 == parse_budget(0.25, PEAK)
+    assert Budget.read(None).bytes(PEAK) == PEAK
+    assert Budget.read(Budget.read("1GiB")) == Budget.read("1GiB")  # a read budget passes through
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "hf_gpt2"])
+@pytest.mark.parametrize("alignment", [1, 64, 256])
+def test_the_planners_smallest_budget_is_the_builders_floor_with_every_weight_on_the_cpu(name, alignment):
+    """planners.driver.smallest_budget (any plan's floor, the planner's input) and the builder's
+    Schedule.plan_floor (one plan's) are one quantity where the plan homes every weight on the CPU."""
+    model, loss_fn, batches = make_case(name)
+    tg = memgraph.trace(model, loss_fn, batches[0], optimizer=torch.optim.AdamW(model.parameters()))
+    plan = Plan(gpu_budget=1 << 60, planner="none", home={v.id: CPU for v in tg.values if v.kind.is_persistent})
+    floor, _ = Schedule(tg, list(range(len(tg.vertices))), plan, alignment).plan_floor()
+    assert smallest_budget(tg, alignment) == floor
+
+
+def test_a_zero_byte_value_takes_one_alignment_unit_everywhere():
+    assert aligned(0, 256) == aligned(1, 256) == aligned(256, 256) == 256
+    assert aligned(257, 256) == 512 and aligned(0, 1) == 1

@@ -22,7 +22,7 @@ def run_steps(mg, batches, ordering="nondeterministic", seed=None, rng_seed=123)
     return losses, mg.state_dict()
 
 
-@pytest.fixture(scope="module", params=["mlp", "gpt", "hf_gpt2"])
+@pytest.fixture(scope="module", params=["mlp", pytest.param("gpt", marks=pytest.mark.slow), "hf_gpt2"])  # gpt: 25-30 s
 def case(request):
     model, loss_fn, batches = make_case(request.param, dropout=0.1)
     want_losses, want_state = eager_steps(model, loss_fn, batches, OPTIMIZERS["adamw"])

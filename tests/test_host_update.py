@@ -8,7 +8,7 @@ import pytest
 import torch
 from cases import assert_same_state, eager_steps, make_case, trainable
 from turnip.engine.host_lane import HostStream
-from turnip.engine.timing_sim import simulate, step_floor
+from turnip.engine.timing_sim import simulate, time_floor
 from turnip.ir.memgraph import Kind, Stream
 from turnip.ir.plan import CPU, Plan
 from turnip.ir.taskgraph import ValueKind
@@ -95,7 +95,7 @@ def test_host_lane_is_simulated_at_the_host_rate(gpt):
     params = sum(p.numel() for p in trainable(model))
     assert sim.step_time >= params
     assert any(entry[1].startswith("host") for entry in sim.timeline)
-    floor = step_floor(mg, Rates(), backend="cpu")  # the host lane's work is the floor here
+    floor = time_floor(mg, Rates(), backend="cpu")  # the host lane's work is the floor here
     assert floor["host_updates"] == pytest.approx(params) and floor["floor"] == floor["host_updates"]
     assert sim.step_time >= floor["floor"] * (1 - 1e-9)
 

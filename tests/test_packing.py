@@ -11,7 +11,8 @@ from turnip.ir.plan import Plan
 from turnip.memgraph import build, verify
 from turnip.memgraph.builder import build_walks
 from turnip.memgraph.packing import Stay, pack, stays
-from turnip.memgraph.schedule import Schedule, aligned
+from turnip.ir.sizes import aligned
+from turnip.memgraph.schedule import Schedule
 
 UNBOUNDED = 1 << 62
 

@@ -18,7 +18,7 @@ from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph import trace
 from turnip.planners.costs import CostModel, DeviceSpec
 from turnip.planners.decode_solution import from_solution, to_plan
-from turnip.planners.driver import builder_floor, make_problem
+from turnip.planners.driver import make_problem, smallest_budget
 from turnip.planners.greedy import greedy
 from turnip.planners.ilp import formulate, start_values
 from turnip.planners.memory import TIE_BREAK, Decisions, evaluate, need_times, structural_problems, window_times
@@ -146,10 +146,10 @@ def small_problems(hosts: tuple[float, ...] = (), seeds: int = 80, prefix: str =
         if 3 ** len(probe.groups) * 2 ** len(probe.items) > 6000 or not probe.groups:
             continue
         most = evaluate(probe, Decisions.keep_all(probe)).peak
-        least = greedy(make_problem(tg, builder_floor(probe), **kw))[1].peak
+        least = greedy(make_problem(tg, smallest_budget(probe.tg, probe.alignment), **kw))[1].peak
         frac = rng.choice([0.0, 0.2, 0.5, 0.8])
         budget = int(least + frac * max(0, most - least)) + probe.max_workspace
-        out.append((f"{prefix}seed{seed}-{frac}", make_problem(tg, max(budget, builder_floor(probe)), **kw)))
+        out.append((f"{prefix}seed{seed}-{frac}", make_problem(tg, max(budget, smallest_budget(probe.tg, probe.alignment)), **kw)))
     return out
 
 
@@ -260,7 +260,7 @@ def test_ilp_never_worse_than_greedy(index, frac):
     costs = CostModel(spec=SLOW_LINK if index % 3 else DeviceSpec())
     budget = int(frac * tg.live_peak(alignment=64))
     problem = make_problem(tg, budget, costs=costs, alignment=64)
-    budget = max(budget, builder_floor(problem))
+    budget = max(budget, smallest_budget(problem.tg, problem.alignment))
     problem = make_problem(tg, budget, costs=costs, alignment=64)
     _, g_ev, _ = greedy(problem)
     got, _, _ = ilp_optimum(problem)
@@ -282,7 +282,7 @@ def test_ilp_never_worse_than_greedy_with_host_cost(index):
     _, tg = suite()[index]
     costs = CostModel(spec=SLOW_LINK if index % 3 else DeviceSpec(), host_per_vertex=15e-6)
     problem = make_problem(tg, int(0.5 * tg.live_peak(alignment=64)), costs=costs, alignment=64)
-    problem = make_problem(tg, max(problem.gpu_budget, builder_floor(problem)), costs=costs, alignment=64)
+    problem = make_problem(tg, max(problem.gpu_budget, smallest_budget(problem.tg, problem.alignment)), costs=costs, alignment=64)
     _, g_ev, _ = greedy(problem)
     got, result, f = ilp_optimum(problem)
     if g_ev.feasible:

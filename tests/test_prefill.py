@@ -19,7 +19,7 @@ def test_tiny_prefill_rows_are_eagers_logits(tmp_path, capsys):
     rows = doc["rows"]
     turnip = [r for r in rows if r["system"] == "turnip"]
     assert len(turnip) == 4 and {r["seq"] for r in rows} == {64, 128}
-    # Llama may take another causal-mask path when traced (README, "Known gap"): rounding apart
+    # Llama may take another causal-mask path when traced (docs/guide.md, "Known gap"): rounding apart
     assert all(r["status"] == "ok" and r["max_abs_diff_vs_eager"] <= 1e-5 for r in turnip)
     assert all(r["bytes_h2d"] > 0 and r["floor_s"] > 0 for r in turnip)  # the budgets make it stream weights
     peers = [r for r in rows if r["system"] == "accelerate"]  # accelerate offloads to a GPU only

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 from turnip.engine import StallError
-from turnip.engine.timing_sim import idle_by_wait, simulate, step_floor
+from turnip.engine.timing_sim import idle_by_wait, simulate, time_floor
 from turnip.ir.memgraph import Edge, Kind, MemGraph, Place, Stream
 from turnip.ir.plan import Plan
 from turnip.ir.taskgraph import TaskGraph
@@ -94,7 +94,7 @@ def test_transfer_overlaps_compute():
     assert res.compute_idle == pytest.approx(1 * MS)
     assert (res.bytes_h2d, res.bytes_d2h) == (4_000_000, 2_000_000)
     assert (res.h2d_busy, res.d2h_busy) == (pytest.approx(4 * MS), pytest.approx(2 * MS))
-    floor = step_floor(h.mg, bandwidth=BW)
+    floor = time_floor(h.mg, bandwidth=BW)
     assert floor["floor"] == pytest.approx(6 * MS) and floor["h2d"] == pytest.approx(4 * MS)
 
 
@@ -157,12 +157,12 @@ def test_the_floor_with_a_duplex_rate_bounds_what_both_directions_move_together(
     h.transfer(Kind.OFFLOAD, 4)
     mg = h.done()
     capped = {"h2d": BW, "d2h": BW, "duplex": 1.5 * BW}
-    floor = step_floor(mg, bandwidth=capped)
+    floor = time_floor(mg, bandwidth=capped)
     assert floor["floor"] == pytest.approx(4 * MS)  # each direction alone
     assert floor["both_ways"] == pytest.approx(8 / 1.5 * MS)  # 8 ms of one-way bytes at 1.5 ms per ms
     assert floor["floor_both_ways"] == pytest.approx(8 / 1.5 * MS)
     assert simulate(mg, bandwidth=capped).step_time >= floor["floor_both_ways"] * (1 - 1e-9)
-    uncapped = step_floor(mg, bandwidth=BW)
+    uncapped = time_floor(mg, bandwidth=BW)
     assert uncapped["both_ways"] == 0.0 and uncapped["floor_both_ways"] == uncapped["floor"]
 
 
@@ -334,7 +334,7 @@ def test_traced_gpt_respects_dependencies_and_floor(gpt_memgraph, ordering):
     for src, dst, _ in mg.edges:
         assert start[dst] >= end[src] - 1e-15
     exact = engine.simulate(mg, costs, ordering=ordering, seed=3)
-    floor = step_floor(mg, costs)
+    floor = time_floor(mg, costs)
     assert exact.step_time >= floor["floor"] * (1 - 1e-9)
     assert exact.bytes_h2d == floor["bytes_h2d"] and exact.bytes_d2h == floor["bytes_d2h"]
     assert exact.bytes_d2h > 0  # the budget forced offloads
@@ -395,7 +395,7 @@ def test_a_transfer_is_one_host_launch():
     assert starts(res) == pytest.approx({v: v + 1 for v in reloads})
     assert res.step_time == pytest.approx(5.001 * MS)
     assert res.host_busy == pytest.approx(5 * MS) == res.summary()["host_busy"]
-    floor = step_floor(mg, bandwidth=BW, host_per_vertex=1 * MS)
+    floor = time_floor(mg, bandwidth=BW, host_per_vertex=1 * MS)
     assert floor["host"] == pytest.approx(5 * MS) and floor["floor"] == floor["host"] <= res.step_time
     # a reload behind a kernel: its launch follows the kernel's, it moves once that launch has ended
     h = Hand()
@@ -500,7 +500,7 @@ def test_traced_gpt_with_host_time(gpt_memgraph):
     assert all(b - a >= h * (1 - 1e-9) for a, b in itertools.pairwise(launched))  # one launch at a time
     assert all(start[v] >= res.launched_at[v] + h * (1 - 1e-9) for v in range(n))
     assert res.host_busy == pytest.approx(n * h)
-    floor = step_floor(mg, costs, host_per_vertex=h)
+    floor = time_floor(mg, costs, host_per_vertex=h)
     assert floor["host"] == pytest.approx(n * h)
     assert res.step_time >= floor["floor"] * (1 - 1e-9)
     assert res.step_time > engine.simulate(mg, costs, host_per_vertex=0.0, seed=3).step_time

@@ -25,7 +25,7 @@ from .common import (
     timed_steps,
     trainable,
 )
-from ...engine.timing_sim import simulate, step_floor, transfer_bytes
+from ...engine.timing_sim import simulate, time_floor, transfer_bytes
 from ...ir.memgraph import Kind
 from ...memgraph.report import plan_mix
 from ...planners.costs import CostModel
@@ -67,7 +67,7 @@ def floor_and_sim(mg, device, eager_step_s: float | None, sim_trace: Path | None
     tg = mg.taskgraph
     if any(v.time <= 0 for v in tg.vertices):
         costs.annotate(tg)
-    fl = step_floor(mg, costs)
+    fl = time_floor(mg, costs)
     total, original = compute_counts(mg)
     eager_compute = eager_step_s * total / max(original, 1) if eager_step_s else None
     if is_cuda(device):
