@@ -77,15 +77,20 @@ from .loop import Record, Scheduler, StaticGraph
 from .policy import Policy, make_policy
 from .resources import CUDA_LAUNCH_AHEAD, StreamPool, WorkspacePool, stream_counts, transfer_depth
 from .runtime import arena_devices, workspace_capacity
+from ..ir.costs import CostModel, FixedRates
 from ..ir.memgraph import Kind, MemGraph, MVertex, Stream
 from ..ir.optimizer import update_elements
 
 log = logging.getLogger(__name__)
 
-# Same figures as planners.costs.H100 (kept here so the simulator needs no planner module).
-DEFAULT_BANDWIDTH = 50e9  # pinned host <-> device bytes/s, each direction
-DEFAULT_HBM = 3e12  # device memory bytes/s, for COPY vertices
-DEFAULT_HOST_UPDATE_RATE = 2.4e9  # parameters/s of a CPU AdamW step inside a step (planners.costs.DeviceSpec's)
+DEFAULT_RATES = FixedRates()  # without a cost model: an H100's link and HBM (planners.costs.H100's figures)
+
+Costs = CostModel | Mapping[int, float] | None  # what simulate and time_floor price a MemGraph with
+
+
+def rates_of(costs: Costs) -> CostModel:
+    """The cost model behind ``costs``: itself, or DEFAULT_RATES for None or a mapping of durations."""
+    return DEFAULT_RATES if costs is None or isinstance(costs, Mapping) else costs
 
 
 class Span(NamedTuple):
@@ -135,12 +140,11 @@ class SimResult:
 
 # -- durations ---------------------------------------------------------------------------------
 
-def link_bandwidths(costs: Any = None, bandwidth: Any = None) -> tuple[float, float]:
+def link_bandwidths(costs: Costs = None, bandwidth: Any = None) -> tuple[float, float]:
     """(h2d, d2h) bytes/s: ``bandwidth`` (one number, (h2d, d2h) or {"h2d":, "d2h":}), else the cost model's."""
     if bandwidth is None:
-        if costs is not None and hasattr(costs, "h2d_bandwidth"):
-            return float(costs.h2d_bandwidth), float(costs.d2h_bandwidth)
-        return DEFAULT_BANDWIDTH, DEFAULT_BANDWIDTH
+        model = rates_of(costs)
+        return float(model.h2d_bandwidth), float(model.d2h_bandwidth)
     if isinstance(bandwidth, Mapping):
         return float(bandwidth["h2d"]), float(bandwidth["d2h"])
     if isinstance(bandwidth, (tuple, list)):
@@ -148,7 +152,7 @@ def link_bandwidths(costs: Any = None, bandwidth: Any = None) -> tuple[float, fl
     return float(bandwidth), float(bandwidth)
 
 
-def both_ways_share(costs: Any = None, bandwidth: Any = None) -> float:
+def both_ways_share(costs: Costs = None, bandwidth: Any = None) -> float:
     """The rate each direction keeps while the other copies too: the link's duplex rate over the
     two directions' own rates added (1: no shared cap). From ``bandwidth``'s "duplex" when it is a
     mapping with one, else from the cost model's duplex_bandwidth."""
@@ -156,23 +160,20 @@ def both_ways_share(costs: Any = None, bandwidth: Any = None) -> float:
     both = None
     if isinstance(bandwidth, Mapping):
         both = bandwidth.get("duplex")
-    elif bandwidth is None and costs is not None:
-        both = getattr(costs, "duplex_bandwidth", None)
+    elif bandwidth is None:
+        both = rates_of(costs).duplex_bandwidth
     return min(1.0, float(both) / (h2d + d2h)) if both else 1.0
 
 
-def host_seconds(costs: Any = None, host_per_vertex: float | None = None, backend: str = "cuda") -> float:
+def host_seconds(costs: Costs = None, host_per_vertex: float | None = None, backend: str = "cuda") -> float:
     """Host seconds per launch: ``host_per_vertex``, else the cost model's figure for ``backend``.
 
     A planners.costs.CostModel knows it per backend (``host_per_vertex_on``: 15 us on CUDA, 0 on the
-    CPU backend, whose op times already hold it); any other model may carry a plain
-    ``host_per_vertex``; a mapping of durations or no model means 0 (the simulator before host time).
+    CPU backend, whose op times already hold it); a mapping of durations or no model means 0 (the
+    simulator before host time).
     """
     if host_per_vertex is None:
-        if costs is None or isinstance(costs, Mapping):
-            return 0.0
-        per_backend = getattr(costs, "host_per_vertex_on", None)
-        host_per_vertex = per_backend(backend) if callable(per_backend) else getattr(costs, "host_per_vertex", 0.0)
+        host_per_vertex = rates_of(costs).host_per_vertex_on(backend)
     h = float(host_per_vertex)
     if not (h >= 0 and math.isfinite(h)):
         raise ValueError(f"host_per_vertex must be a finite number of seconds >= 0, got {host_per_vertex!r}")
@@ -202,7 +203,7 @@ def direction(mv) -> str | None:
 class _Durations:
     """Seconds per vertex kind before noise: the ``time_<kind>`` hooks of engine/dispatch.py's one dispatch."""
 
-    def __init__(self, mg: MemGraph, model: Any, h2d: float, d2h: float, hbm: float):
+    def __init__(self, mg: MemGraph, model: CostModel, h2d: float, d2h: float, hbm: float):
         self.mg, self.model, self.h2d, self.d2h, self.hbm = mg, model, h2d, d2h, hbm
         self.untimed = 0  # compute vertices that carry no time (and got none from the cost model)
 
@@ -212,10 +213,9 @@ class _Durations:
             return 0.0
         tv = tg.vertices[mv.task_vertex]
         if mv.stream is Stream.HOST:  # the host's cores, not the GPU: the op's GPU time says nothing
-            rate = getattr(self.model, "host_update_rate", None) or DEFAULT_HOST_UPDATE_RATE
-            return update_elements(tv) / rate
+            return update_elements(tv) / self.model.host_update_rate
         t = float(tv.time)
-        if t <= 0 and self.model is not None:
+        if t <= 0:
             t = float(self.model.estimate(tg, tv)[0])
         self.untimed += t <= 0
         return t
@@ -233,18 +233,17 @@ class _Durations:
     time_offload = time_output = time_d2h
 
 
-def nominal_durations(mg: MemGraph, costs: Any = None, bandwidth: Any = None, overhead: float = 0.0) -> list[float]:
+def nominal_durations(mg: MemGraph, costs: Costs = None, bandwidth: Any = None, overhead: float = 0.0) -> list[float]:
     """Seconds per MemGraph vertex before noise.
 
     costs: None (TaskGraph vertex.time), a mapping {MemGraph vertex id: seconds} that overrides
-    any vertex, or a cost model (planners.costs.CostModel: estimate(tg, vertex), h2d_bandwidth,
-    d2h_bandwidth, spec.mem_bw) used where a compute vertex carries no time.
+    any vertex, or a cost model (ir.costs.CostModel: its estimate where a compute vertex carries no
+    time, its link and HBM rates).
     """
     override = costs if isinstance(costs, Mapping) else {}
-    model = None if isinstance(costs, Mapping) else costs
+    model = rates_of(costs)
     h2d, d2h = link_bandwidths(model, bandwidth)
-    hbm = float(getattr(getattr(model, "spec", None), "mem_bw", DEFAULT_HBM))
-    durations = _Durations(mg, model, h2d, d2h, hbm)
+    durations = _Durations(mg, model, h2d, d2h, float(model.hbm_bandwidth))
     # a vertex of an unknown kind is priced as compute (its task vertex's time, if any)
     hooks = per_vertex(durations, "time_", mg.vertices, unknown=durations.time_compute)
     out = []
@@ -266,7 +265,7 @@ def transfer_bytes(mg: MemGraph) -> tuple[int, int]:
     return b_in, b_out
 
 
-def time_floor(mg: MemGraph, costs: Any = None, bandwidth: Any = None, *, host_per_vertex: float | None = None,
+def time_floor(mg: MemGraph, costs: Costs = None, bandwidth: Any = None, *, host_per_vertex: float | None = None,
                backend: str = "cuda") -> dict:
     """Lower bound on the step: max(compute incl. recompute and copies, bytes in / H2D bw, bytes out / D2H bw,
     vertices x host seconds per launch, the host lane's optimizer updates one after another) as
@@ -274,7 +273,7 @@ def time_floor(mg: MemGraph, costs: Any = None, bandwidth: Any = None, *, host_p
     the link's duplex rate where one is known (both directions at once move less than their two
     one-way rates added: 89.4 GB/s on the H100 against 2 x 55.2), a bound just as hard and tighter
     for steps that move much both ways. ``host_per_vertex`` and ``backend`` as in ``simulate``."""
-    model = None if isinstance(costs, Mapping) else costs
+    model = rates_of(costs)
     durations = nominal_durations(mg, costs, bandwidth)
     h2d, d2h = link_bandwidths(model, bandwidth)
     compute = sum(d for mv, d in zip(mg.vertices, durations) if mv.stream is Stream.COMPUTE)
@@ -474,13 +473,14 @@ class _Sim:
             raise RuntimeError("simulation ended with the scheduler not finished")
 
 
-def simulate(mg: MemGraph, costs: Any = None, jitter: float = 0.0, ordering: str | Policy = "nondeterministic",
+def simulate(mg: MemGraph, costs: Costs = None, jitter: float = 0.0, ordering: str | Policy = "nondeterministic",
              seed: int = 0, streams: dict | None = None, bandwidth: Any = None, *, duplex: bool = True,
              backend: str = "cuda", launch_ahead: int | None = None, overhead: float = 0.0,
              host_per_vertex: float | None = None, transfer_ahead: int | None = None) -> SimResult:
     """Simulate one step of ``mg``; see the module docstring for the model.
 
-    costs: None (TaskGraph vertex.time), {MemGraph vertex id: seconds}, or a planners.costs.CostModel.
+    costs: None (TaskGraph vertex.time), {MemGraph vertex id: seconds}, or a cost model (ir.costs.CostModel,
+    which planners.costs.CostModel implements).
     jitter: sigma of the lognormal noise on every duration (0: exact). seed: noise and random ordering.
     ordering: "nondeterministic", "deterministic", "random" or a Policy, as in engine.run.
     streams: stream instances per class ({"compute": 1, "h2d": 2}); defaults are the backend's.

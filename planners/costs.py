@@ -347,6 +347,11 @@ class CostModel:
         return cache.bandwidth[key]
 
     @property
+    def hbm_bandwidth(self) -> float:
+        """Device memory bytes/s (the spec's)."""
+        return self.spec.mem_bw
+
+    @property
     def host_per_vertex(self) -> float:
         """Host seconds per launched vertex when running on this model's own device."""
         return self.host_per_vertex_on(self.device)

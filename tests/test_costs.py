@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
+from turnip.ir.costs import CostModel as Interface
+from turnip.ir.costs import FixedRates
 from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph import trace
 from turnip.planners import costs as costs_mod
@@ -239,3 +241,10 @@ def test_in_place_versions_are_timed_over_their_old_buffer(gpt_step):
     # the signature marks the change, so costs cached when they were timed after a copy are retimed
     assert signature(tg, in_place[0]) != signature(
         tg, type(in_place[0])(**{**in_place[0].__dict__, "copy_in": ()}))
+
+
+def test_the_planners_cost_model_is_what_the_simulator_reads():
+    """The simulator (engine/) reads ir.costs.CostModel; planners.costs.CostModel and FixedRates implement it."""
+    model = CostModel(device="cpu", measure=False)
+    assert isinstance(model, Interface) and isinstance(FixedRates(), Interface)
+    assert model.hbm_bandwidth == model.spec.mem_bw > 0

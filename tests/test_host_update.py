@@ -9,6 +9,7 @@ import torch
 from cases import assert_same_state, eager_steps, make_case, trainable
 from turnip.engine.host_lane import HostStream
 from turnip.engine.timing_sim import simulate, time_floor
+from turnip.ir.costs import FixedRates
 from turnip.ir.memgraph import Kind, Stream
 from turnip.ir.plan import CPU, Plan
 from turnip.ir.taskgraph import ValueKind
@@ -87,15 +88,13 @@ def test_host_lane_is_simulated_at_the_host_rate(gpt):
     plan = with_host_updates(tg, Plan(gpu_budget=1 << 40, planner="none"), 1.0)
     mg = build(tg, plan, alignment=64)
 
-    class Rates:
-        h2d_bandwidth = d2h_bandwidth = 1e12
-        host_update_rate = 1.0  # one parameter a second: the host lane is the whole step
-
-    sim = simulate(mg, Rates(), backend="cpu")
+    rates = FixedRates(h2d_bandwidth=1e12, d2h_bandwidth=1e12,
+                       host_update_rate=1.0)  # one parameter a second: the host lane is the whole step
+    sim = simulate(mg, rates, backend="cpu")
     params = sum(p.numel() for p in trainable(model))
     assert sim.step_time >= params
     assert any(entry[1].startswith("host") for entry in sim.timeline)
-    floor = time_floor(mg, Rates(), backend="cpu")  # the host lane's work is the floor here
+    floor = time_floor(mg, rates, backend="cpu")  # the host lane's work is the floor here
     assert floor["host_updates"] == pytest.approx(params) and floor["floor"] == floor["host_updates"]
     assert sim.step_time >= floor["floor"] * (1 - 1e-9)
 
