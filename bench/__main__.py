@@ -7,6 +7,8 @@
     python -m turnip.bench table [--results DIR] [--full]   # the newest run per model as one markdown table
                                                           # (the README's); --full, or naming DIR: then each
                                                           # model's full tables, split runs merged
+    python -m turnip.bench soak [--tiny] [--budgets 0.5,0.25] [--steps 1000]   # memory and step time over many
+                                                          # steps; fails on growth (its own options: soak -h)
 
 Results go to bench/results/ (or $TURNIP_RESULTS, or --out).
 """
@@ -22,6 +24,7 @@ import torch
 from .ablation import main as ablation_main
 from .options import planner_options
 from .results import load_suite_rows, result_path
+from .soak import main as soak_main
 from .suite import (
     DEFAULT_SYSTEMS,
     ISOLATE,
@@ -134,10 +137,26 @@ def table(args) -> int:
     return 0
 
 
+def soak(args) -> int:
+    """The soak named after other options: the shared ones it takes passed on (bench/soak.py)."""
+    argv = ["--out", str(_out(args)), "--planner", args.planner] + ["--tag", args.tag] * bool(args.tag)
+    argv += ["--tiny"] * args.tiny + ["--verbose"] * args.verbose
+    for flag, value in (("--model", args.models and _names(args.models)[0]), ("--budgets", args.budgets),
+                        ("--steps", args.steps), ("--device", args.device), ("--batch", args.batch)):
+        if value is not None:
+            argv += [flag, str(value)]
+    for item in args.planner_option:
+        argv += ["--planner-option", item]
+    return soak_main(argv)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["soak"]:  # the soak has options of its own (python -m turnip.bench soak -h)
+        return soak_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m turnip.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["suite", "ablation", "plots", "table"])
+    parser.add_argument("command", choices=["suite", "ablation", "plots", "table", "soak"])
     parser.add_argument("--models", help="comma-separated: gpt350m, gpt1.3b, lora1.3b, llama, lora7b")
     parser.add_argument("--budgets", help="comma-separated turnip budgets: fractions of eager's measured peak GPU "
                         "memory (0.6) or sizes (16GiB, 8GiB), mixed as you like")
@@ -172,7 +191,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    return {"suite": suite, "ablation": ablation, "plots": plots, "table": table}[args.command](args)
+    return {"suite": suite, "ablation": ablation, "plots": plots, "table": table,
+            "soak": soak}[args.command](args)
 
 
 if __name__ == "__main__":
