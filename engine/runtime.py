@@ -223,6 +223,8 @@ class Runtime:
     # -- persistent state -------------------------------------------------------------
     @torch.no_grad()
     def _write_initial_state(self, mg: MemGraph) -> None:
+        """Every persistent value into its home from ``mg.initial_state``: the compiled weights, a loaded
+        file's, or those the last ``mg.release()`` kept (with ``mg.stats["step"]``, read above)."""
         for vid, home in mg.homes.items():
             if vid not in mg.initial_state:
                 raise EngineError(f"persistent value {vid} ({mg.taskgraph.values[vid].name}) has a home "
@@ -252,6 +254,8 @@ class Runtime:
                 if vid in mg.homes or vid in mg.initial_state}
 
     def persistent_state(self, mg: MemGraph) -> dict:
+        """{persistent value: a CPU tensor of its current contents}, fresh copies of the homes (what
+        ``mg.save()`` writes and ``mg.release()`` keeps); refuses mixed weights."""
         self.check_consistent()
         state = {vid: t for vid, t in mg.initial_state.items() if vid not in mg.homes}
         state.update({vid: self.read_home(mg, vid) for vid in mg.homes})

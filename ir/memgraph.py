@@ -6,8 +6,10 @@ saves to a file and loads back exactly (JSON and safetensors, see
 ir/serialize.py). The engine's live buffers (arena, pinned storage, trained
 weights) are held beside the data, in the attribute
 ``runtime`` that ``engine.run`` sets: it is not a field, so equality, repr
-and files never see it. ``print(mg)`` gives one line; ``memgraph.dump(mg)``
-lists vertices.
+and files never see it. ``initial_state`` (with ``stats["step"]``) is the
+state a new runtime starts from: the compiled weights, those a loaded file
+saved, or those ``release()`` kept. ``print(mg)`` gives one line;
+``memgraph.dump(mg)`` lists vertices.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class LiveState(Protocol):
     """What the engine keeps between steps of one MemGraph (engine.runtime.Runtime implements it)."""
 
     step: int
+    mixed: str | None  # why the weights are a mix of two steps (a step failed midway), else None
 
     def state_dict(self, mg: MemGraph) -> dict: ...
 
@@ -100,7 +103,8 @@ class MemGraph:
     cpu_bytes: int = 0
     alignment: int = 256
     homes: dict[int, Place] = field(default_factory=dict)  # persistent value -> its home between steps
-    initial_state: dict[int, Any] = field(default_factory=dict)  # persistent value -> CPU tensor at compile time
+    # persistent value -> the CPU tensor a new runtime starts from (at compile time; a file's; kept by release())
+    initial_state: dict[int, Any] = field(default_factory=dict)
     names: dict[str, int] = field(default_factory=dict)  # state_dict key -> persistent value id
     device: str = "cpu"
     stats: dict = field(default_factory=dict)  # builder facts (edges dropped by reduction, ...)
@@ -108,7 +112,9 @@ class MemGraph:
     # graph on CUDA); a vertex in no segment launches alone. Decided by memgraph/segments.py.
     segments: list[list[int]] = field(default_factory=list)
 
-    # Not a field (ClassVar): engine.run sets it on the instance; None until the first run.
+    # Not a field (ClassVar): engine.run sets it on the instance; None until the first run, and after
+    # release(). Setting it to None drops the live state without keeping it: the next run starts again
+    # from initial_state (what release(keep=False) does, without freeing the buffers at once).
     runtime: ClassVar[LiveState | None] = None
     # Not a field either: a CompiledOptimizer (ir/optimizer.py; set by memgraph.compile around the
     # user's torch optimizer, and by load), whose hyperparameters engine.run reads before every
@@ -144,19 +150,36 @@ class MemGraph:
 
     # -- user facing ------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Current weights (after the last engine.run), keyed like the model's state_dict."""
+        """Current weights (after the last engine.run, or kept by release()), keyed like the model's
+        state_dict."""
         if self.runtime is not None:
             return self.runtime.state_dict(self)
         return {name: self.initial_state[vid].clone() for name, vid in self.names.items()
                 if vid in self.initial_state}
 
-    def release(self) -> None:
-        """Free the engine's arena and pinned storage now (the trained weights go with them,
-        so call state_dict() or save() first); the next engine.run starts from the
-        compiled weights."""
-        if self.runtime is not None:
-            self.runtime.close()
-            self.runtime = None
+    def release(self, keep: bool = True) -> None:
+        """Free the engine's arena and pinned storage now, keeping what was trained: the weights,
+        optimizer states and step count are first copied to host memory (into ``initial_state`` and
+        ``stats["step"]``), so ``state_dict()``, ``save()`` and ``mg.optimizer`` give them, and the
+        next engine.run allocates the buffers again and goes on from them, bitwise as if never
+        released. If the copy fails, it raises and the runtime stays.
+
+        A runtime whose weights are mixed (a step failed after some weights were updated in place)
+        keeps nothing: the next run starts again from the last consistent state, the compiled weights
+        or those of the last release() or of the loaded file, and the steps since are lost. So does
+        ``keep=False`` (the same as ``mg.runtime = None``, but freeing the buffers at once), which
+        skips the copy: for benchmarks and tests that start over."""
+        runtime = self.runtime
+        if runtime is None:
+            return
+        if keep and getattr(runtime, "mixed", None) is None:
+            state, step = runtime.persistent_state(self), runtime.step
+            # new objects, not updates in place: the old tensors may be the model's, the old dict shared
+            # with copies of this MemGraph (dataclasses.replace)
+            self.initial_state = state
+            self.stats = {**self.stats, "step": step}
+        runtime.close()
+        self.runtime = None
 
     def summary(self) -> dict:
         kinds = Counter(v.kind.value for v in self.vertices)
