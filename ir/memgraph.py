@@ -209,14 +209,23 @@ class MemGraph:
     def save(self, path: str | Path) -> None:
         """Write the MemGraph to ``path`` (a zip of ``graph.json`` and ``state.safetensors``, see
         ir/serialize.py): every field, with its TaskGraph, Plan and optimizer hyperparameters, and
-        the persistent tensors. After engine.run those are the trained weights and optimizer
-        states, and ``stats["step"]`` the steps taken, so a loaded copy continues training; before
-        any run, the compile-time ones. Raises TypeError, naming where (and which TaskGraph vertex),
-        if the graph holds a value the format cannot, before anything is written."""
+        the persistent tensors. After engine.run (or release()) those are the trained weights and
+        optimizer states, and ``stats["step"]`` the steps taken, so a loaded copy continues training;
+        before any run, the compile-time ones. The hyperparameters are ``mg.optimizer``'s current
+        param groups (an LR scheduler stepped after the last run included: the next step's lr),
+        checked as engine.run checks them. Raises TypeError, naming where (and which TaskGraph
+        vertex), if the graph holds a value the format cannot, and ValueError for hyperparameters the
+        step cannot follow (see engine.run), before anything is written."""
         mg = self
         if self.runtime is not None:  # save the trained weights and step count, not the compile-time ones
             mg = dataclasses.replace(self, initial_state=self.runtime.persistent_state(self),
                                      stats={**self.stats, "step": self.runtime.step})
+        spec = self.taskgraph.optimizer
+        if spec is not None and self.optimizer is not None:
+            # the hyperparameters of the next step, as engine.run would take them: the spec holds those
+            # of the last step run until then
+            mg = dataclasses.replace(mg, taskgraph=dataclasses.replace(
+                self.taskgraph, optimizer=spec.following(self.optimizer.param_groups)))
         serialize.save(mg, path, FILE_TYPES)
 
 
@@ -225,18 +234,37 @@ FILE_TYPES = (MemGraph, MVertex, Place, Kind, Stream, Edge, Plan, Recompute, Tas
               TensorRef, ScalarRef, OptimizerSpec)
 
 
-def load(path: str | Path) -> MemGraph:
+def load(path: str | Path, optimizer: Any = None) -> MemGraph:
     """Read a MemGraph written by `MemGraph.save`; it runs like the saved one (from its saved
-    weights and step), with no runtime until the next engine.run. When it has an optimizer,
-    ``mg.optimizer`` is a CompiledOptimizer over the saved hyperparameters (those of the last step
-    run): an LR scheduler stepped on it drives the next runs, and its ``state_dict()`` exports the
-    optimizer states to eager. Loading parses JSON and safetensors only, so a file runs no code,
-    whoever wrote it. Raises ValueError naming the path for a file of another format or version
-    (pickled MemGraphs of version 1 included) or a corrupted one."""
+    weights, optimizer states and step), with no runtime until the next engine.run. When it has an
+    optimizer, ``mg.optimizer`` is a CompiledOptimizer over the saved hyperparameters (the saved
+    optimizer's param groups when it was saved: the lr of the next step, and ``initial_lr``): an
+    LR scheduler stepped on it drives the next runs, and its ``state_dict()`` exports the optimizer
+    states to eager.
+
+    ``optimizer``: a torch optimizer of the saved kind over the model's parameters (grouped as at
+    compile), which takes the saved hyperparameters as ``opt.load_state_dict`` would and becomes
+    what ``mg.optimizer`` follows, as compile's does. Made before, a scheduler on it (made, as torch
+    asks, before the optimizer's state is loaded, since making one sets the lr) and restored with
+    ``sched.load_state_dict(...)`` continues the saved schedule exactly. The optimizer's own states
+    are not read: the file's are the step's.
+
+    Loading parses JSON and safetensors only, so a file runs no code, whoever wrote it. Raises
+    ValueError naming the path for a file of another format or version (pickled MemGraphs of
+    version 1 included) or a corrupted one, and for an ``optimizer`` the saved step does not run."""
     mg = serialize.load(path, FILE_TYPES)
     if not isinstance(mg, MemGraph):
         raise ValueError(f"{path} holds a {type(mg).__name__}, not a MemGraph")  # noqa: TRY004 - a wrong file
-    if mg.taskgraph.optimizer is not None:
+    spec = mg.taskgraph.optimizer
+    if optimizer is not None:
+        if spec is None:
+            raise ValueError(f"{path}: the MemGraph was compiled without an optimizer, and one was given")
+        try:
+            spec.restore(optimizer)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        mg.optimizer = CompiledOptimizer(mg, optimizer)
+    elif spec is not None:
         try:
             mg.optimizer = CompiledOptimizer(mg)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a spec no compile wrote

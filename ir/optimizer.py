@@ -9,12 +9,14 @@ MemGraph, whose ``param_groups`` are the torch optimizer's (an LR scheduler
 acts on the step) and whose ``state_dict()`` is in torch's format with the
 states the step keeps in its homes, so training can move back to eager with
 ``opt.load_state_dict(mg.optimizer.state_dict())``. ``memgraph.compile`` sets it
-over the user's optimizer, ``memgraph.load`` over the saved hyperparameters.
+over the user's optimizer, ``memgraph.load`` over the saved hyperparameters (or over
+the torch optimizer given to it, which takes them: ``OptimizerSpec.restore``).
 ``mark_stepped`` tells LR schedulers that engine.run applied an update.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import weakref
@@ -29,6 +31,11 @@ from .taskgraph import TensorRef
 # steps; a change that alters the traced update itself (a zero becoming non-zero) needs a new compile
 SCHEDULABLE = ("lr", "betas", "eps", "momentum", "dampening", "weight_decay")
 STRUCTURAL_ZERO = ("momentum", "weight_decay")  # zero or not decides which ops were traced
+# what an LR scheduler keeps in a param group beside the hyperparameters: the lr it scales (torch's
+# schedulers need it to resume with last_epoch >= 0). Followed and saved, never read by the step.
+SCHEDULER_KEYS = ("initial_lr",)
+# options of torch's optimizers the traced update does not run (compile refuses them too)
+REFUSED_OPTIONS = ("amsgrad", "maximize", "differentiable")
 
 
 @dataclass
@@ -46,12 +53,23 @@ class OptimizerSpec:
 
     def follow(self, param_groups: list[dict]) -> None:
         """Take the torch optimizer's current hyperparameters (set by an LR scheduler, say), so the
-        next step uses them as eager's would. Refuses, naming it, a change the traced update
-        cannot follow: a different number of groups, a tensor value, a hyperparameter becoming zero
-        or non-zero where that decides which ops run, or any other option (nesterov, amsgrad, ...)."""
+        next step uses them as eager's would, and the ``initial_lr`` a scheduler keeps in a group (so a
+        loaded step's param groups hold it as the saved optimizer's did). Refuses, naming it, a change
+        the traced update cannot follow: a different number of groups, a tensor value, a
+        hyperparameter becoming zero or non-zero where that decides which ops run, or any other option
+        (nesterov, amsgrad, ...); a refused change leaves every group as it was."""
+        self.groups = self._followed_groups(param_groups)
+
+    def following(self, param_groups: list[dict]) -> OptimizerSpec:
+        """A copy of this spec that has followed ``param_groups`` (this one is left as it is)."""
+        return dataclasses.replace(self, groups=self._followed_groups(param_groups),
+                                   params=[list(names) for names in self.params])
+
+    def _followed_groups(self, param_groups: list[dict]) -> list[dict]:
         if len(param_groups) != len(self.groups):
             raise ValueError(f"the optimizer has {len(param_groups)} parameter groups, the compiled step "
                              f"{len(self.groups)}: compile again after adding groups")
+        groups = []
         for g, (group, hp) in enumerate(zip(param_groups, self.groups)):
             new = dict(hp)
             for key in SCHEDULABLE:
@@ -59,17 +77,44 @@ class OptimizerSpec:
                     continue
                 value = group[key]
                 values = value if key == "betas" else (value,)
-                if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in values):
+                if not all(_is_number(x) for x in values):
                     raise ValueError(f"param group {g}: {key}={value!r}; the compiled step takes Python numbers")
                 new[key] = tuple(float(x) for x in value) if key == "betas" else value
                 if key in STRUCTURAL_ZERO and (hp[key] == 0) != (value == 0):
                     raise ValueError(f"param group {g}: {key} changed from {hp[key]} to {value}, which changes "
                                      f"the traced update: compile again")
+            for key in SCHEDULER_KEYS:
+                if _is_number(group.get(key)):
+                    new[key] = group[key]
             for key, old in hp.items():
-                if key not in SCHEDULABLE and group.get(key, old) != old:
+                if key not in SCHEDULABLE and key not in SCHEDULER_KEYS and group.get(key, old) != old:
                     raise ValueError(f"param group {g}: {key} changed from {old!r} to {group[key]!r} since "
                                      f"compile: compile again")
-            self.groups[g] = new
+            groups.append(new)
+        return groups
+
+    def restore(self, optimizer: torch.optim.Optimizer) -> None:
+        """Write these hyperparameters (and ``initial_lr``) into a torch optimizer's param groups, as its
+        ``load_state_dict`` writes the saved ones (``memgraph.load(path, optimizer=opt)``). Refuses,
+        naming it, before writing anything, an optimizer whose update the step does not run: another
+        kind, other param groups, or an option the traced update lacks (amsgrad, maximize, ...)."""
+        kind = torch_kind(optimizer)
+        if kind != self.kind:
+            raise ValueError(f"the MemGraph's step runs {self.kind}, not {kind or type(optimizer).__name__}: load "
+                             f"it with a {TORCH_CLASSES[self.kind].__name__}")
+        groups = optimizer.param_groups
+        sizes, want = [len(g["params"]) for g in groups], [len(names) for names in self.params]
+        if len(groups) != len(self.groups) or (self.params and sizes != want):
+            raise ValueError(f"the optimizer's param groups hold {sizes} parameters, the MemGraph's "
+                             f"{want or len(self.groups) * ['?']}")
+        defaults = torch_group_defaults(self.kind)
+        for g, group in enumerate(groups):
+            for key in REFUSED_OPTIONS:
+                if key in group and group[key] != defaults.get(key, group[key]):
+                    raise ValueError(f"param group {g}: {key}={group[key]!r}, which the compiled step does not "
+                                     f"run: load it with an optimizer made without it")
+        for group, hp in zip(groups, self.groups):
+            group.update(hp)
 
     def scalars(self, step: int) -> dict[str, float]:
         """Host scalars for the `step`-th update (1-based), as torch.optim computes them."""
@@ -103,6 +148,10 @@ class OptimizerSpec:
         return out
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def update_elements(vertex) -> int:
     """Parameters an optimizer update vertex steps: the elements of the tensors its first argument
     lists (a fused multi-tensor update's parameters; a single tensor's own)."""
@@ -118,6 +167,15 @@ def state_value_name(param: str, key: str) -> str:
 
 # the torch.optim class of each kind, whose defaults fill a loaded step's param groups
 TORCH_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def torch_kind(optimizer: Any) -> str | None:
+    """The kind of update a torch optimizer runs ("adamw" for an Adam with decoupled weight decay, as
+    compile reads it), None for another class."""
+    kind = {cls: name for name, cls in TORCH_CLASSES.items()}.get(type(optimizer))
+    if kind == "adam" and any(g.get("decoupled_weight_decay", False) for g in optimizer.param_groups):
+        return "adamw"
+    return kind
 
 
 def torch_group_defaults(kind: str) -> dict:
@@ -158,7 +216,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
 
     param_groups: the torch optimizer's given to compile (the very dicts: an LR scheduler stepped on
     either changes what the next engine.run uses), or for a MemGraph without one (loaded from a file),
-    groups made from the saved hyperparameters (those of the last step run), torch's defaults for
+    groups made from the saved hyperparameters (the saved optimizer's param groups when it was saved,
+    a scheduler's step after the last run and its ``initial_lr`` included), torch's defaults for
     the kind's other options, and parameter names for parameters; a scheduler stepped on this
     optimizer changes what the next engine.run uses there too.
     state / state_dict(): the step's current optimizer states (after the last engine.run), read from

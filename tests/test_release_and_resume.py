@@ -1,11 +1,15 @@
-"""Nothing trained is lost: mg.release() keeps the weights, optimizer states and step count (issue 30,
-item 2). On the CPU backend, bitwise against eager.
+"""Nothing trained is lost: mg.release() keeps the weights, optimizer states and step count, and a saved
+step resumes its LR schedule exactly (issue 30, items 2 and 3). On the CPU backend, bitwise against eager.
 
-release() copies the live state to host memory (mg.initial_state, stats["step"]) before freeing the
-buffers: state_dict(), save() and mg.optimizer give the trained state, and the next engine.run goes on
-from it as if never released. A runtime whose weights are mixed (a step failed midway) keeps nothing:
-release() starts again from the last consistent state (the compiled weights, or those of the last
-release() or file). release(keep=False) and ``mg.runtime = None`` start again without keeping.
+- release() copies the live state to host memory (mg.initial_state, stats["step"]) before freeing the
+  buffers: state_dict(), save() and mg.optimizer give the trained state, and the next engine.run goes on
+  from it as if never released. A runtime whose weights are mixed (a step failed midway) keeps nothing:
+  release() starts again from the last consistent state (the compiled weights, or those of the last
+  release() or file). release(keep=False) and ``mg.runtime = None`` start again without keeping.
+- mg.save() stores mg.optimizer's current hyperparameters (a scheduler's step after the last run, and its
+  initial_lr), not those the last step ran with; memgraph.load(path, optimizer=opt) gives them to a torch
+  optimizer as opt.load_state_dict would, so a scheduler made on it first and restored with
+  sched.load_state_dict(...) continues as eager's restored optimizer and scheduler do.
 """
 
 from __future__ import annotations
@@ -193,3 +197,123 @@ def test_release_without_keeping_and_a_dropped_runtime_start_again():
     assert_same_state(mg.state_dict(), states[1][0])
     assert torch.equal(losses_of(mg, batches[1:2])[0], want[1])
     assert_same_state(mg.state_dict(), states[2][0])
+
+
+# -- resuming a saved step with its LR schedule ----------------------------------------------------------
+
+SCHEDULES = {
+    # a linear warm-up: LambdaLR sets the lr when made, so it must be made before the optimizer's state is
+    # loaded (as torch asks of any optimizer): memgraph.load(path, optimizer=opt)
+    "lambda_warmup": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5)),
+    # the lr halves after the step saved: the next lr (5e-4) is not the one the last step ran with (1e-3)
+    "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=SAVED_AT, gamma=0.5),
+}
+
+
+def eager_resumed(model, batches, schedule):
+    """Eager training saved after SAVED_AT steps and restored as torch asks (model, optimizer and scheduler
+    made, then the optimizer's and the scheduler's state dicts loaded): losses, final model and optimizer."""
+    model = copy.deepcopy(model)
+    opt = make_opt(list(model.parameters()))
+    sched = SCHEDULES[schedule](opt)
+    losses = []
+    for b in batches[:SAVED_AT]:
+        losses.append(eager_step(model, opt, b))
+        sched.step()
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict()))
+    model = copy.deepcopy(model)
+    opt = make_opt(list(model.parameters()))
+    sched = SCHEDULES[schedule](opt)
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    sched.load_state_dict(saved[2])
+    lrs = []
+    for b in batches[SAVED_AT:]:
+        lrs.append(opt.param_groups[0]["lr"])
+        losses.append(eager_step(model, opt, b))
+        sched.step()
+    return losses, lrs, model.state_dict(), opt.state_dict()
+
+
+def saved_step(model, batches, schedule, path):
+    """The compiled step trained SAVED_AT steps with the schedule, saved to path; the scheduler's state."""
+    mg = compiled(model, 1.0)
+    sched = SCHEDULES[schedule](mg.optimizer)
+    losses = []
+    for b in batches[:SAVED_AT]:
+        losses.append(engine.run(mg, b)["loss"])
+        sched.step()
+    next_lr = mg.optimizer.param_groups[0]["lr"]
+    assert next_lr != mg.taskgraph.optimizer.groups[0]["lr"], "the next lr should differ from the last step's"
+    mg.save(path)
+    return losses, copy.deepcopy(sched.state_dict()), next_lr
+
+
+@pytest.mark.filterwarnings("error")  # no scheduler warning either
+@pytest.mark.parametrize("schedule,on", [("lambda_warmup", "torch optimizer"), ("step", "torch optimizer"),
+                                         # LambdaLR made on the loaded mg.optimizer would set the lr to its
+                                         # first step's, as on a torch optimizer whose state was loaded first
+                                         ("step", "mg.optimizer")])
+def test_a_loaded_step_continues_its_schedule_like_eager_restored(tmp_path, schedule, on):
+    model, batches = setup(4)
+    want, want_lrs, want_state, want_opt = eager_resumed(model, batches, schedule)
+    got, sched_state, next_lr = saved_step(model, batches, schedule, tmp_path / "step.mg")
+
+    if on == "torch optimizer":  # as torch asks: optimizer and scheduler made, then their states loaded
+        resumed = copy.deepcopy(model)
+        opt = make_opt(list(resumed.parameters()))
+        sched = SCHEDULES[schedule](opt)
+        mg = memgraph.load(tmp_path / "step.mg", optimizer=opt)
+        assert mg.optimizer.param_groups is opt.param_groups
+    else:  # a scheduler that leaves the lr when made (StepLR) may be made on the loaded mg.optimizer
+        mg = memgraph.load(tmp_path / "step.mg")
+        sched = SCHEDULES[schedule](mg.optimizer)
+    assert mg.optimizer.param_groups[0]["initial_lr"] == 1e-3
+    sched.load_state_dict(sched_state)
+    assert mg.optimizer.param_groups[0]["lr"] == next_lr == want_lrs[0]
+    lrs = []
+    for b in batches[SAVED_AT:]:
+        lrs.append(mg.optimizer.param_groups[0]["lr"])
+        got.append(engine.run(mg, b)["loss"])
+        sched.step()
+    assert lrs == want_lrs
+    assert all(torch.equal(a, w) for a, w in zip(got, want, strict=True)), f"{got} != {want}"
+    assert_same_state(mg.state_dict(), want_state)
+    assert_same_optimizer_state(mg.optimizer.state_dict(), want_opt)  # param groups (lr, initial_lr) included
+
+
+def test_save_stores_the_next_steps_hyperparameters(tmp_path):
+    """The reported bug: a scheduler stepped after the last run changed mg.optimizer's lr, and the file
+    held the lr that run used."""
+    model, batches = setup(5)
+    _, sched_state, next_lr = saved_step(model, batches, "lambda_warmup", tmp_path / "step.mg")
+    assert next_lr == pytest.approx(1e-3 * (SAVED_AT + 1) / 5)
+    loaded = memgraph.load(tmp_path / "step.mg")
+    assert loaded.optimizer.param_groups[0]["lr"] == next_lr
+    assert loaded.taskgraph.optimizer.groups[0]["lr"] == next_lr
+    assert loaded.optimizer.state_dict()["param_groups"][0]["initial_lr"] == 1e-3
+    assert sched_state["_last_lr"] == [next_lr]
+
+
+def test_load_refuses_an_optimizer_the_saved_step_does_not_run(tmp_path):
+    model, batches = setup(6)
+    mg = compiled(model, 1.0)
+    engine.run(mg, batches[0])
+    mg.save(tmp_path / "step.mg")
+    params = list(copy.deepcopy(model).parameters())
+    refused = {
+        "runs adamw, not sgd": torch.optim.SGD(params, lr=0.1),
+        "runs adamw, not adam": torch.optim.Adam(params, lr=1e-3),
+        "amsgrad=True": torch.optim.AdamW(params, amsgrad=True),
+        r"hold \[4\] parameters": torch.optim.AdamW(params[:4]),
+    }
+    for message, opt in refused.items():
+        lr = opt.param_groups[0]["lr"]
+        with pytest.raises(ValueError, match=message):
+            memgraph.load(tmp_path / "step.mg", optimizer=opt)
+        assert opt.param_groups[0]["lr"] == lr  # refused before anything was written
+    # an Adam with decoupled weight decay runs the AdamW update: accepted, as compile accepts it
+    opt = torch.optim.Adam(params, lr=5.0, decoupled_weight_decay=True)
+    loaded = memgraph.load(tmp_path / "step.mg", optimizer=opt)
+    assert opt.param_groups[0]["lr"] == 1e-3 and opt.param_groups[0]["weight_decay"] == 0.1
+    assert loaded.optimizer.steps_taken() == 1
