@@ -169,7 +169,7 @@ def turnip_us_per_vertex(tg: TaskGraph, repeat: int, setting: Setting) -> tuple[
                    completion=setting.completion)
         times.append((time.perf_counter() - t0) / len(mg.vertices) * 1e6)
     shape = {"vertices": len(mg.vertices), "segments": len(mg.segments), "units": mg.runtime.graph.n}
-    mg.release()
+    mg.release(keep=False)
     return times[WARMUP:], shape
 
 

@@ -95,7 +95,7 @@ def run_budget(workload, device: str, budget: float, variants: list[dict], round
                      "max_s": t[-1] if t else None, "sim_step_s": sim.step_time,
                      "sim_compute_idle_s": sim.compute_idle})
     summary = mg.summary()
-    mg.release()
+    mg.release(keep=False)
     return {"budget": budget, "compile_s": compile_s, "summary": summary, "vertices": summary["vertices"],
             "bytes_reloaded": summary["bytes_reloaded"], "bytes_offloaded": summary["bytes_offloaded"], "stats": {k: v for k, v in mg.stats.items()
                                                                  if isinstance(v, (int, float, str))},

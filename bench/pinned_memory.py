@@ -115,11 +115,11 @@ def time_step(model: str, budget: str, rounds: int, steps: int, warmup: int = 2)
     times: dict[str, list[float]] = {"register-hugepage": [], "register": []}
     for _ in range(rounds):
         for kind in times:
-            mg.release()
+            mg.release(keep=False)
             mg.runtime = CudaRuntime(mg, huge_pages=kind == "register-hugepage")
             times[kind] += device_timed_steps(lambda: engine.run(mg, batch), steps, warmup)
             log.info("%s %s: %s ms", model, kind, " ".join(f"{t * 1e3:.1f}" for t in times[kind][-steps:]))
-    mg.release()
+    mg.release(keep=False)
     return {"model": model, "budget": budget, "gpu_budget": mg.plan.gpu_budget, "pinned_bytes": mg.cpu_bytes,
             "rounds": rounds, "steps_per_round": steps, "steps_s": times,
             "median_s": {kind: statistics.median(ts) for kind, ts in times.items()}}

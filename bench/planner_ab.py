@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         optimizer = workload.optimizer(trainable(workload.model))
         mg = memgraph.compile(workload.model, workload.loss_fn, batch, optimizer=optimizer, budget=budget,
                               device="cuda", verbose=False, cache=False, **options)
-        mg.release()  # one arena and one pinned storage at a time
+        mg.release(keep=False)  # one arena and one pinned storage at a time
         builds[name] = mg
         moved_in, moved_out = transfer_bytes(mg)
         rows[name] = {"options": options, "planner": mg.plan.planner,

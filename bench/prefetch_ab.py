@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         mg = rebuild_ahead(compiled, prefetch)
         mg.optimizer = CompiledOptimizer(mg, optimizer)
         builds[name] = mg
-    compiled.release()
+    compiled.release(keep=False)
     rows = {name: {"simulated_s": simulate(mg, costs, backend="cuda").step_time,
                    "bytes_h2d": transfer_bytes(mg)[0], "bytes_d2h": transfer_bytes(mg)[1],
                    "reload_reservations": mg.stats.get("reload_reservations", 0), "steps_s": []}

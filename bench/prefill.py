@@ -223,7 +223,7 @@ def run_turnip(model, ids: torch.Tensor, budget: str, cfg: PrefillConfig,
         row.update(status="oom", error=str(exc)[:300])
     finally:
         if mg is not None:
-            mg.release()
+            mg.release(keep=False)
         release_memory(cfg.device)
     return row, logits
 

@@ -121,7 +121,7 @@ def main(argv=None) -> int:
               "unplanned_peak": mg.stats.get("unplanned_peak"), "arena_bytes": mg.arena_bytes,
               "top_workspace": top_workspace(mg), "breakdown": breakdown(mg, trace_file),
               "turnip_kernels": turnip_kernels}
-    mg.release()
+    mg.release(keep=False)
     trace_file.unlink()
     model = workload.fresh_model("cuda")
     eager_opt = workload.optimizer([p for p in model.parameters() if p.requires_grad])

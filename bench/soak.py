@@ -289,7 +289,7 @@ def soak_budget(cfg: SoakConfig, workload, budget, peak: int | None, run: dict, 
                     save()
     finally:
         bar.close()
-        mg.release()  # the next budget must not find this arena and storage still held
+        mg.release(keep=False)  # the next budget must not find this arena and storage still held
 
 
 def run_soak(cfg: SoakConfig, command: str) -> tuple[dict, Path]:

@@ -64,7 +64,7 @@ def summed(losses: list[torch.Tensor]) -> torch.Tensor:
 
 
 def run_compiled(mg, steps, ordering="nondeterministic") -> list[dict]:
-    mg.release()  # start again from the compiled weights
+    mg.release(keep=False)  # start again from the compiled weights
     torch.manual_seed(SEED)
     return [engine.run(mg, micro, ordering=ordering) for micro in steps]
 

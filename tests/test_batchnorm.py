@@ -122,7 +122,7 @@ def test_resnet18_with_batchnorm_trains_like_eager(resnet, budget, opt_name):
     bound = {tg.values[v].name for v in tg.bindings}
     assert "buffer:bn1.running_mean" in bound and "buffer:layer4.1.bn2.num_batches_tracked" in bound
     for ordering in ("deterministic", "nondeterministic"):
-        mg.release()  # from the compiled weights again
+        mg.release(keep=False)  # from the compiled weights again
         got = [engine.run(mg, b, ordering=ordering)["loss"] for b in batches]
         assert all(torch.equal(a, w) for a, w in zip(got, want, strict=True)), f"{ordering}: {got} != {want}"
         assert_equal_state(mg.state_dict(), want_state)

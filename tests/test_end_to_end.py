@@ -86,7 +86,7 @@ def test_release_frees_the_runtime_and_a_later_run_starts_over():
     model, loss_fn, batches = make_case("mlp")
     mg = memgraph.compile(model, loss_fn, batches[0], optimizer=OPTIMIZERS["sgd"](trainable(model)), device="cpu")
     first = engine.run(mg, batches[0])["loss"].item()
-    mg.release()
+    mg.release(keep=False)
     assert mg.runtime is None
     assert engine.run(mg, batches[0])["loss"].item() == first  # from the compiled weights again
 

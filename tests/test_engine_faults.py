@@ -300,7 +300,7 @@ def test_a_list_batch_is_the_tuple_example_and_a_short_batch_gets_a_hint():
     """A DataLoader yields lists where the example was a tuple; the last batch may be short."""
     mg, batch = compiled_mlp()
     want = engine.run(mg, batch)["loss"]
-    mg.release()
+    mg.release(keep=False)
     assert torch.equal(engine.run(mg, list(batch))["loss"], want)
     short = (batch[0][:5], batch[1][:5])
     with pytest.raises(BatchError, match=r"expected shape \(16, 8\) float32, got \(5, 8\) float32 \(a last, "

@@ -295,7 +295,7 @@ def run_alternately(builds: dict, rows: dict[str, dict], batch, rounds: int, ste
     for _ in range(rounds):
         for name, mg in builds.items():
             rows[name]["steps_s"] += device_timed_steps(lambda mg=mg: engine.run(mg, batch), steps, warmup)
-            mg.release()
+            mg.release(keep=False)
             log.info("%s: %s ms", name, " ".join(f"{t * 1e3:.1f}" for t in rows[name]["steps_s"][-steps:]))
     for row in rows.values():
         row["median_s"] = statistics.median(row["steps_s"])

@@ -143,7 +143,7 @@ def run(workload: Workload, device, steps: int, budget: float, eager_peak: int |
             except Exception as exc:  # noqa: BLE001 - includes the time limit running out here
                 log.warning("turnip traced step failed: %r", exc)
                 result.extra["trace_error"] = repr(exc)[:300]
-        mg.release()  # the next system must not find this one's arena still allocated
+        mg.release(keep=False)  # the next system must not find this one's arena still allocated
         try:
             sim_trace = Path(str(trace_path).removesuffix(".json") + ".sim.json") if trace_path else None
             result.extra.update(floor_and_sim(mg, device, eager_step_s, sim_trace))
