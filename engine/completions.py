@@ -23,6 +23,10 @@ In callback mode the loop thread must not block in a CUDA call while it holds th
 function waiting for the GIL would wait forever: torch's synchronize calls and op dispatch release
 the GIL, and launch-ahead keeps the work queued per stream far below the depth at which a launch
 blocks.
+
+``get(timeout)`` returns within about ``timeout`` seconds (raising queue.Empty, as a queue does),
+so the loop looks for a Ctrl-C while the device works. Each step's callbacks go to a queue of its
+own: a host function of a stopped step that runs late reaches that step's queue, never the next's.
 """
 
 from __future__ import annotations
@@ -144,7 +148,8 @@ class LaneCompletions:
         """A report made by the loop itself (a launch that raised)."""
         self.ready.append(completion)
 
-    def get(self) -> Completion:
+    def get(self, timeout: float | None = None) -> Completion:
+        """The next report; raises queue.Empty after ``timeout`` seconds without one (None: waits)."""
         raise NotImplementedError
 
     def enqueued(self, lane: Lane, unit: int) -> None:
@@ -180,6 +185,10 @@ class LaneCompletions:
     def host_ran(self, unit: int) -> None:
         """Called on the host lane's worker thread when host unit ``unit`` has run (or failed)."""
 
+    def host_notifier(self):
+        """What a host unit launched now calls when it has run (``host_ran`` of this step)."""
+        return self.host_ran
+
     def _report_early(self, lane: Lane, unit: int) -> None:
         lane.reported_in_flight += 1
         self.reported[unit] = 1
@@ -194,14 +203,17 @@ class EventCompletions(LaneCompletions):
         super().__init__(needs, lanes)
         self.events = events
 
-    def get(self) -> Completion:
+    def get(self, timeout: float | None = None) -> Completion:
         spins = 0
         ready = self.ready
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not ready:
             if not self.poll():
                 spins += 1
                 if spins > 2000:  # nothing finished for a while: let other threads run, but never
                     os.sched_yield()  # sleep (a sleep takes 50-80 us on Linux, a transfer may end any time)
+                if deadline is not None and not spins & 255 and time.monotonic() >= deadline:
+                    raise queue.Empty
         return ready.popleft()
 
     def poll(self) -> bool:
@@ -224,13 +236,18 @@ class CallbackCompletions(LaneCompletions):
         self.fired: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._launch_host_func = launch_host_func
         self._fire = self.fired.put  # the host function: one C call, no CUDA, nothing else to keep alive
+        self._quiet_since = time.monotonic()  # when a host function last fired (or the step began)
 
     def begin_step(self, shared_workspace: bool) -> None:
         super().begin_step(shared_workspace)
-        # the last step synchronized its streams, so every host function has run: what is left was
-        # fired by units of a failed step that the loop no longer waited for
-        while not self.fired.empty():
-            self.fired.get()
+        # a queue of this step's own: host functions of an earlier step (a stopped one whose streams
+        # were not waited for) hold the put of theirs, so they can never report to this step
+        self.fired = queue.SimpleQueue()
+        self._fire = self.fired.put
+        self._quiet_since = time.monotonic()
+
+    def host_notifier(self):
+        return self._fire
 
     def enqueued(self, lane: Lane, unit: int) -> None:
         if not lane.host:  # the host lane's worker fires itself (host_ran)
@@ -240,14 +257,24 @@ class CallbackCompletions(LaneCompletions):
     def host_ran(self, unit: int) -> None:
         self._fire(unit)
 
-    def get(self) -> Completion:
+    def get(self, timeout: float | None = None) -> Completion:
         ready = self.ready
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not ready:
+            now = time.monotonic()
+            wait = CALLBACK_QUIET_S - (now - self._quiet_since)
+            if deadline is not None:
+                if now >= deadline:
+                    raise queue.Empty
+                wait = min(wait, deadline - now)
             try:
-                unit = self.fired.get(timeout=CALLBACK_QUIET_S)
+                unit = self.fired.get(timeout=max(wait, 0.0))
             except queue.Empty:
-                self._check_streams()
+                if time.monotonic() - self._quiet_since >= CALLBACK_QUIET_S:
+                    self._check_streams()
+                    self._quiet_since = time.monotonic()
                 continue
+            self._quiet_since = time.monotonic()
             self.retire_through(unit)
         return ready.popleft()
 

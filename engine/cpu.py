@@ -5,6 +5,12 @@ MemGraph runs on a laptop or in CI, and real concurrency between lanes lets
 the random ordering fuzz that every order the MemGraph permits gives the same
 bytes. Workers time each vertex with time.perf_counter and report through the
 loop's completion queue; they never touch the loop's bookkeeping.
+
+Stopping a step: each work item carries its step's StepToken (engine/loop.py). Once the step is
+cancelled (``cancel_step``) a worker skips the step's items it has not begun, reporting NotRun,
+so a stopped step never starts another unit, not even in a later step's time; the units it
+had begun are the token's ``started``, and ``quiesce`` waits for them to end. Completions go to
+the queue of the step that launched the item, so nothing of one step reaches the next step's loop.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ import time
 import weakref
 
 import torch
-from .loop import Completion, Launch
+from .loop import Completion, Launch, NotRun, StepToken
 from .runtime import InputBinding, OutputBinding, Runtime
 from ..ir.memgraph import MemGraph
 from ..kernels.launch import PreparedVertex
+from ..kernels.rng import default_generator
 from ..kernels.step_state import RngReplay, StepContext
 
 log = logging.getLogger(__name__)
@@ -51,16 +58,22 @@ class Lane:
             item = self.queue.get()
             if item is None:
                 return
-            fn, vid, notify = item
+            fn, vid, notify, token = item
             item = None
             t0 = time.perf_counter()
+            if not token.begin(vid):  # its step was stopped before this unit began
+                notify(Completion(vid, NotRun("cancelled: the step was stopping"), t0, t0))
+                fn = notify = token = None
+                continue
             try:
                 fn(vid)
                 err = None
             except BaseException as exc:  # noqa: BLE001 - every failure goes back to the loop
                 err = exc
+            finally:
+                token.end()  # before the report: once the loop has every report, nothing of the step runs
             notify(Completion(vid, err, t0, time.perf_counter()))
-            fn = notify = err = None  # drop references before blocking again
+            fn = notify = err = token = None  # drop references before blocking again
 
     def stop(self) -> None:
         self.queue.put(None)
@@ -82,6 +95,9 @@ class CpuRuntime(Runtime):
         self._leaves: list | None = None
         self._outputs: dict | None = None
         self._rng = None
+        self._token = StepToken()  # the current (or last) step's units on the lanes
+        self._rng_before: torch.Tensor | None = None  # the generator's state before the step's draws
+        self.unsettled: str | None = None  # set by engine.run: a stopped step left units running
         super().__init__(mg)
         self._finalizer = weakref.finalize(self, _stop_lanes, self._lanes)
 
@@ -95,21 +111,41 @@ class CpuRuntime(Runtime):
 
     # -- step ----------------------------------------------------------------------------
     def begin_step(self, mg: MemGraph, leaves: list, step: int) -> None:
+        self._token = StepToken()  # first: cancel_step must never answer for the step before
         if self._rng is None:  # its scratch buffers are reused by every step
             self._rng = RngReplay(mg.taskgraph, torch.device("cpu"))
+        # the draws below move the generator as eager's step would: put back if the step stops
+        self._rng_before = torch.default_generator.get_state() if self._rng.vertices else None
         self._ctx = StepContext(mg.taskgraph, step, torch.device("cpu"), rng=self._rng)
         self._mg, self._leaves, self._outputs = mg, leaves, {}
 
     def end_step(self) -> dict:
         outputs = self._outputs
+        self._rng_before = None
         self._forget_step()
         return outputs
 
     def abort_step(self) -> None:
+        """The step stopped (after cancel_step and quiesce): forget it, and put the random generator
+        back where it was before the step (a stopped step that updated no weight changes nothing)."""
+        if self._rng_before is not None:
+            if self._token.running:
+                log.warning("a random vertex of the stopped step may still run: the random generator may end "
+                            "where that step's draws left it")
+            restore_generator(torch.device("cpu"), self._rng_before)
+            self._rng_before = None
         self._forget_step()
 
     def _forget_step(self) -> None:
         self._mg = self._ctx = self._leaves = self._outputs = None
+
+    def cancel_step(self) -> list[int]:
+        """Start no other unit of the step; return the units that started (ran, or run now)."""
+        return self._token.cancel()
+
+    def quiesce(self, timeout: float | None) -> bool:
+        """Wait until no unit of the last step runs, at most ``timeout`` seconds; True if none does."""
+        return self._token.wait_idle(timeout)
 
     def launch(self, item: Launch, notify) -> None:
         lane = self._lanes.get((item.key, item.instance))
@@ -127,7 +163,7 @@ class CpuRuntime(Runtime):
                 time.sleep(_delay)
                 _run(vid)
 
-        lane.queue.put((work, item.vertex, notify))
+        lane.queue.put((work, item.vertex, notify, self._token))
 
     def close(self) -> None:
         self._finalizer()
@@ -153,6 +189,13 @@ class CpuRuntime(Runtime):
     def run_output(self, vid: int, binding: OutputBinding) -> None:
         # a fresh tensor the next step cannot overwrite; dict item assignment is atomic under the GIL
         self._outputs[binding.name] = binding.src.clone()
+
+
+def restore_generator(device: torch.device, state: torch.Tensor) -> None:
+    """Put the device's default generator back to ``state`` (where it was before a stopped step drew).
+    A random vertex of that step still running (one engine.run did not wait for) puts it back to its
+    own saved state when it ends (kernels/rng.py, replay), after this."""
+    default_generator(device).set_state(state)
 
 
 def create_runtime(mg: MemGraph) -> CpuRuntime:

@@ -27,6 +27,14 @@ whichever compute is ready instead of queueing behind a slow copy. With
 ``engine.run(..., transfer_ahead=k)`` a copy stream also reports its first k unfinished copies at
 enqueue, so the next copy (and what reads it) is queued behind the running one on the device
 instead of waiting for the host to see it end; the same events keep every edge.
+
+Stopping a step (a vertex that raised, Ctrl-C): what is queued on a GPU stream runs; every unit
+the loop launched counts as started (``cancel_step``), and ``quiesce`` polls the streams until
+they ran it, for a bounded time. Host-lane units not yet begun are skipped (their StepToken).
+The runtime never blocks in a CUDA synchronize while a step runs: it polls (``_wait_idle``), so a
+Ctrl-C is seen. A step begins only once every stream ran what earlier steps queued (engine.run's
+settle), and each step's callbacks go to a queue of its own, so nothing of a stopped step is
+reported to the next one.
 """
 
 from __future__ import annotations
@@ -49,12 +57,13 @@ from .cuda_graphs import SegmentGraphs
 from .errors import EngineError
 from .host_lane import HostDone, HostStream
 from .host_memory import describe_host, host_memory
-from .loop import Launch
+from .loop import POLL_S, Launch, NotRun, StepToken
 from .resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD
 from .runtime import InputBinding, OutputBinding, Runtime, arena_devices
 from ..ir.budget import format_bytes
 from ..ir.memgraph import MemGraph, Stream
 from ..kernels.launch import PreparedVertex
+from ..kernels.rng import default_generator
 from ..kernels.step_state import RngReplay, StepContext
 from ..kernels.threads import host_threads
 
@@ -97,6 +106,11 @@ class CudaRuntime(Runtime):
         self._batch_ready = torch.cuda.Event()
         self._timers: list | None = None  # (start, end) timing events per vertex, made on the first traced step
         self._origin = None
+        self._started: list[int] = []  # this step's units handed to a GPU stream (their work may run)
+        self._host_token = StepToken()  # this step's host-lane units
+        self._rng_before: torch.Tensor | None = None  # the generator's state before the step moved it
+        self.interrupts = None  # set per step by engine.run (loop.Interrupts): end_step's wait looks at it
+        self.unsettled: str | None = None  # set by engine.run: a stopped step left work on the streams
         torch.cuda.synchronize()  # the initial state was written on the default stream
 
     def _allocate(self, mg: MemGraph) -> None:
@@ -109,7 +123,12 @@ class CudaRuntime(Runtime):
 
     # -- step ----------------------------------------------------------------------------
     def begin_step(self, mg: MemGraph, leaves: list, step: int) -> None:
-        self._ctx = StepContext(mg.taskgraph, step, torch.device("cuda", self.devices[0]), self.rng)
+        self._started = []
+        self._host_token = StepToken()
+        device = torch.device("cuda", self.devices[0])
+        # the step moves the generator as eager's would: put back if the step stops
+        self._rng_before = default_generator(device).get_state() if self.rng.vertices else None
+        self._ctx = StepContext(mg.taskgraph, step, device, self.rng)
         self._leaves = leaves
         self.outputs = {}
         for lane in self.lanes.values():
@@ -129,18 +148,56 @@ class CudaRuntime(Runtime):
             self.launched = {}
 
     def _finish(self) -> None:
-        for lane in self.lanes.values():
-            lane.stream.synchronize()
         if self._caller_stream is not None:
             torch.cuda.set_stream(self._caller_stream)
         self._ctx = self._leaves = self._caller_stream = self._current = None
 
     def end_step(self) -> dict:
+        """Wait for the streams to run the step's work (polling: a Ctrl-C is seen), then its outputs.
+        After a Ctrl-C it waits until the drain's deadline: all the step's work is queued, so if it
+        ends by then the step counts; otherwise the interrupt is raised and the step is stopped."""
+        interrupts = self.interrupts
+        deadline = None
+        while not self._wait_idle(POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())):
+            if interrupts is not None and interrupts.pending is not None:
+                if deadline is None:
+                    deadline = interrupts.drain_deadline()
+                elif time.monotonic() >= deadline:
+                    raise interrupts.pending
+        self._rng_before = None
         self._finish()
         return {name: t.clone() for name, t in self.outputs.items()}
 
     def abort_step(self) -> None:
+        """The step stopped (engine.run has cancelled it and waited, as far as it could): forget it,
+        and put the random generator back where it was before the step."""
+        if self._rng_before is not None:
+            default_generator(torch.device("cuda", self.devices[0])).set_state(self._rng_before)
+            self._rng_before = None
         self._finish()
+
+    def cancel_step(self) -> list[int]:
+        """Start no other host-lane unit of the step; return the units that started: every unit given
+        to a GPU stream (its work is queued there and will run) and the host units begun."""
+        return self._started + self._host_token.cancel()
+
+    def quiesce(self, timeout: float | None) -> bool:
+        """Wait until every stream ran what it was given, at most ``timeout`` seconds (None: no limit);
+        True if all did. Raises the device's error (a CUDA error) if a stream reports one."""
+        return self._wait_idle(timeout)
+
+    def _wait_idle(self, timeout: float | None) -> bool:
+        """Poll the lanes' streams (host lane included) until all are idle (True) or ``timeout``
+        seconds passed (False). Sleeps between polls, so callback-mode host functions get the GIL."""
+        lanes = list(self.lanes.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        polls = 0
+        while not all(lane.stream.query() for lane in lanes):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            polls += 1
+            time.sleep(0 if polls < 2000 else 1e-4)
+        return True
 
     def close(self) -> None:
         for lane in self.lanes.values():
@@ -223,6 +280,7 @@ class CudaRuntime(Runtime):
         if lane.host:
             self._launch_host(unit, lane)
             return
+        self._started.append(unit)  # from here on its work may be on the stream
         for p in self.preds[unit]:
             if not finished[p] and lane_of[p] is not lane:
                 stream.wait_event(events[p])
@@ -253,18 +311,26 @@ class CudaRuntime(Runtime):
         done = self.events[unit]
         done.clear()
         head, mg = self.graph.head[unit], self.mg
+        token, ran = self._host_token, completions.host_notifier()  # this step's, even if run late
 
         def job() -> None:
             lane.started[unit] = time.perf_counter()  # the loop's record of the unit: its real span
+            if not token.begin(unit):  # the step stopped before this unit began
+                lane.errors[unit] = NotRun("cancelled: the step was stopping")
+                done.set()
+                ran(unit)
+                return
             try:
                 for event in waits:
                     event.synchronize()
                 self.execute(mg, head)
-            except Exception as exc:  # noqa: BLE001 - reported as the unit's failure by the loop
+            except BaseException as exc:  # noqa: BLE001 - reported as the unit's failure by the loop
                 exc.failed_vertex = head
                 lane.errors[unit] = exc
+            finally:
+                token.end()
             done.set()
-            completions.host_ran(unit)
+            ran(unit)
 
         completions.enqueued(lane, unit)
         lane.stream.submit(job)

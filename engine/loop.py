@@ -6,11 +6,24 @@ Split in two so the bookkeeping can be tested (and simulated) without threads:
   vertices to launch now. Per completion it does O(successors) work plus
   O(stream keys) per launch; nothing scans all vertices (CUDA target: the
   completion path costs < 10 us per vertex).
-- ``drive()`` is the loop thread: it launches through a backend, blocks on a
+- ``drive()`` is the loop thread: it launches through a backend, waits on a
   completion source that backends fill (CPU workers put a Completion; the
   CUDA source polls its events inside ``get()``), and turns failures and
   stalls into exceptions only after in-flight work has drained, so the engine
   stays usable.
+
+Stopping (a unit that raises, Ctrl-C, an error of the loop itself): the loop
+launches nothing more, asks the backend to cancel launched units that have not
+started (``stop``: they report ``NotRun``), and drains what runs for at most
+``DRAIN_S`` seconds; what is still running then is abandoned (``Scheduler.drained``
+is False) and the caller decides what the step left behind (engine/run_step.py).
+Ctrl-C reaches the loop only through ``Interrupts``: while a step runs, SIGINT is
+recorded instead of raised wherever the main thread happens to be (a
+KeyboardInterrupt raised just after ``get()`` returned a completion used to drop
+that completion, and the drain then waited forever); a second one raises at once.
+The loop never blocks longer than ``POLL_S`` without looking at it, since neither
+``_thread.interrupt_main`` nor a SIGINT the kernel hands to a worker thread wakes a
+blocked wait.
 
 Ready vertices wait in one heap per stream key ((stream class, device)).
 A vertex whose stream is busy simply stays in its heap; one refused another
@@ -24,11 +37,14 @@ before its stream instance, which the loop already saw free.
 from __future__ import annotations
 
 import heapq
+import inspect
 import logging
 import queue
+import signal
+import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
 from .errors import ResourceError, StallError, VertexError
 from .resources import WORKSPACE, StreamPool, WorkspacePool
@@ -39,6 +55,9 @@ log = logging.getLogger(__name__)
 
 WAITING, READY, RUNNING, DONE = 0, 1, 2, 3
 _STATE_NAMES = ("waiting on predecessors", "ready", "running", "done")
+
+POLL_S = 0.05  # the longest the loop waits without looking for an interrupt
+DRAIN_S = 10.0  # after a failure or an interrupt: how long units already running may take to finish
 
 
 def vertex_device(mv) -> int:
@@ -182,6 +201,7 @@ class Scheduler:
         self.in_flight = 0
         self.done = 0
         self.halted = False
+        self.drained = True  # False when drive() returned or raised with units still in flight
         self.launch_order: list[int] = []  # vertex ids in launch order (tests, traces); a unit's in its order
 
     # -- public ---------------------------------------------------------------------
@@ -341,8 +361,155 @@ class Record(NamedTuple):
     ok: bool
 
 
+class NotRun(Exception):  # a report, not a failure
+    """The error of a Completion for a unit that never started: the step was stopping (a backend
+    cancelled it, or the loop stopped before handing it over). Not a failure of the unit."""
+
+
+class StepToken:
+    """One step's units on a backend's worker threads: which started, which run, and a switch that
+    keeps the rest from starting.
+
+    A worker calls ``begin(unit)`` right before running a unit and skips it (reporting NotRun) if
+    that returns False, then ``end()`` once it ran. After ``cancel()``, no unit of the step starts,
+    so the units it returns are all that ever ran, or run, of the step."""
+
+    __slots__ = ("_idle", "cancelled", "running", "started")
+
+    def __init__(self):
+        self._idle = threading.Condition(threading.Lock())
+        self.cancelled = False
+        self.started: list[int] = []
+        self.running = 0
+
+    def begin(self, unit: int) -> bool:
+        with self._idle:
+            if self.cancelled:
+                return False
+            self.started.append(unit)
+            self.running += 1
+            return True
+
+    def end(self) -> None:
+        with self._idle:
+            self.running -= 1
+            if self.running == 0:
+                self._idle.notify_all()
+
+    def cancel(self) -> list[int]:
+        """Start nothing more; return the units that started (ran, or run now)."""
+        with self._idle:
+            self.cancelled = True
+            return list(self.started)
+
+    def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no unit of the step runs, at most ``timeout`` seconds (None: no limit), looking
+        up every POLL_S so a Ctrl-C is seen; True if none runs."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self.running:
+                left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+            return True
+
+
+class Interrupts:
+    """Ctrl-C (SIGINT) held off while a step runs, so the loop stops where its books are whole.
+
+    ``with Interrupts() as interrupts:`` on the main thread replaces SIGINT's Python handler for
+    the block. Each signal calls the handler that was there (Python's default raises
+    KeyboardInterrupt): what it raises the first time is kept in ``pending`` and not raised, and
+    the loop, which looks at ``pending`` at least every POLL_S, stops launching and drains; what it
+    raises a second time is raised at once, wherever the main thread is (``hard``): control comes
+    back without waiting for the drain. Later signals in the block are ignored (control is on its
+    way back). A handler that returns without raising keeps meaning "ignore it". On leaving the
+    block the handler is put back, and a pending interrupt that nothing raised yet is raised then
+    (after a step that completed: it counts).
+
+    On another thread (no signal reaches it) or under SIG_IGN / SIG_DFL the block changes nothing.
+    """
+
+    def __init__(self):
+        self.pending: BaseException | None = None
+        self.hard = False
+        self.stop_by: float | None = None  # see drain_deadline
+        self._previous: Any = None
+        self._installed = False
+
+    def drain_deadline(self) -> float:
+        """When a stopping step stops waiting for its work (time.monotonic): DRAIN_S after the first
+        ask, so every wait of one stop (the loop's drain, the backend's) shares one bound."""
+        if self.stop_by is None:
+            self.stop_by = time.monotonic() + DRAIN_S
+        return self.stop_by
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            try:
+                previous = signal.getsignal(signal.SIGINT)
+                if callable(previous):
+                    signal.signal(signal.SIGINT, self._handle)
+                    self._previous, self._installed = previous, True
+            except ValueError:  # not the main interpreter
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.hard:
+            return
+        try:
+            self._previous(signum, frame)
+        except BaseException as exc:
+            if self.pending is None:
+                self.pending = exc
+                return
+            self.hard = True
+            exc.add_note("a second interrupt while the step was stopping: engine.run returned without waiting "
+                         "for the work still running")
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._installed:
+            self._installed = False
+            if signal.getsignal(signal.SIGINT) == self._handle:
+                signal.signal(signal.SIGINT, self._previous)
+        pending = self.pending
+        if pending is not None and exc is not pending and not self.hard:
+            raise pending
+
+
+_TAKES_TIMEOUT: dict[type, bool] = {}
+
+
+def _timed_get(completions) -> Callable[[float], Completion | None]:
+    """``wait(seconds)``: the next completion, or None after ``seconds`` without one. A source whose
+    get() takes no timeout (tests' fakes, which never block) is simply asked."""
+    get = completions.get
+    kind = type(completions)
+    takes = _TAKES_TIMEOUT.get(kind)
+    if takes is None:
+        try:
+            takes = "timeout" in inspect.signature(get).parameters
+        except (TypeError, ValueError):
+            takes = False
+        _TAKES_TIMEOUT[kind] = takes
+    if not takes:
+        return lambda seconds: get()
+
+    def wait(seconds: float) -> Completion | None:
+        try:
+            return get(timeout=seconds)
+        except queue.Empty:
+            return None
+
+    return wait
+
+
 def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
-          completions: queue.SimpleQueue[Completion], records: list[Record] | None = None) -> list[Record]:
+          completions: queue.SimpleQueue[Completion], records: list[Record] | None = None, *,
+          interrupts: Interrupts | None = None, stop: Callable[[], object] | None = None) -> list[Record]:
     """Run the step to the end on the calling thread; return what ran where and when.
 
     The loop works on units (StaticGraph); ``launch`` gets a unit, the records name each unit by
@@ -350,53 +517,110 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
     the vertex failing). Backends put a Completion on ``completions`` for every
     launched vertex, exactly once, from any thread. ``records`` (appended to,
     also when the step fails) lets a caller trace a failed step.
+
+    The step stops early when a unit raises (an Exception: VertexError once drained; a
+    KeyboardInterrupt or other BaseException: raised as it is) or when ``interrupts.pending`` is
+    set (raised once drained). Stopping: nothing more is launched, ``stop()`` (the backend's
+    cancel_step) keeps launched units that have not started from starting, and the units in
+    flight are waited for, at most DRAIN_S seconds; after that they are abandoned
+    (``scheduler.drained`` False, a note on the exception). An exception of the loop itself (its
+    books, the completion source, a second Ctrl-C) is raised at once, undrained.
     """
     records = [] if records is None else records
     failure: tuple[int, BaseException] | None = None
     interrupt: BaseException | None = None
+    deadline: float | None = None  # set once the loop stops launching
+    wait = _timed_get(completions)
+
+    def halt() -> None:
+        nonlocal deadline
+        if deadline is None:
+            scheduler.halt()
+            deadline = interrupts.drain_deadline() if interrupts is not None else time.monotonic() + DRAIN_S
+            if stop is not None:
+                stop()
 
     def launch_all(batch: list[Launch]) -> None:
+        nonlocal interrupt
         for item in batch:
+            if interrupt is None and interrupts is not None and interrupts.pending is not None:
+                interrupt = interrupts.pending
+                halt()
+            if deadline is not None:  # stopped within this batch: the backend never gets the rest
+                now = time.perf_counter()
+                completions.put(Completion(item.vertex, NotRun("the step was stopping"), now, now))
+                continue
             try:
                 launch(item)
-            except Exception as exc:  # noqa: BLE001 - reported as that vertex's failure
+            except BaseException as exc:  # reported as that vertex's failure (a second Ctrl-C: raised)
+                if interrupts is not None and interrupts.hard:
+                    raise
                 now = time.perf_counter()
                 completions.put(Completion(item.vertex, exc, now, now))
 
-    launch_all(scheduler.start())
     n = scheduler.g.n
     key_of = scheduler.g.key_of
     head = scheduler.g.head
     instance_of = scheduler.instance
-    while scheduler.done < n:
-        if scheduler.in_flight == 0:
-            if failure is not None or interrupt is not None:
-                break
-            stuck = scheduler.stuck()
-            raise StallError(f"stall: {len(stuck)} of {scheduler.g.n} vertices can never run "
-                             f"(nothing ready, nothing in flight)\n{scheduler.explain_stuck(mg)}", stuck)
-        try:
-            done = completions.get()
-        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt: stop launching, drain, re-raise
-            if interrupt is None:
-                interrupt = exc
-                scheduler.halt()
-            continue
-        vid = done.vertex  # a unit
-        records.append(Record(head[vid], key_of[vid], instance_of[vid], done.start, done.end, done.error is None))
-        if done.error is not None:
-            if failure is None:
-                # a unit of several vertices says which one failed (Runtime.execute_unit)
-                failure = (getattr(done.error, "failed_vertex", head[vid]), done.error)
-                scheduler.halt()
+    try:
+        launch_all(scheduler.start())
+        while scheduler.done < n:
+            if interrupt is None and interrupts is not None and interrupts.pending is not None:
+                interrupt = interrupts.pending
+                halt()
+            if scheduler.in_flight == 0:
+                if failure is not None or interrupt is not None:
+                    break
+                stuck = scheduler.stuck()
+                raise StallError(f"stall: {len(stuck)} of {scheduler.g.n} vertices can never run "
+                                 f"(nothing ready, nothing in flight)\n{scheduler.explain_stuck(mg)}", stuck)
+            if deadline is None:
+                done = wait(POLL_S)
             else:
-                log.warning("vertex %d also failed while draining: %r", vid, done.error)
-        launch_all(scheduler.complete(vid))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break  # abandoned: the units still in flight are the caller's to account for
+                done = wait(min(left, POLL_S))
+            if done is None:
+                continue
+            vid = done.vertex  # a unit
+            error = done.error
+            records.append(Record(head[vid], key_of[vid], instance_of[vid], done.start, done.end, error is None))
+            if error is not None and not isinstance(error, NotRun):
+                if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit raised by the unit
+                    if interrupt is None:
+                        interrupt = error
+                        halt()
+                elif failure is None:
+                    # a unit of several vertices says which one failed (Runtime.execute_unit)
+                    failure = (getattr(error, "failed_vertex", head[vid]), error)
+                    halt()
+                else:
+                    log.warning("vertex %d also failed while draining: %r", vid, error)
+            launch_all(scheduler.complete(vid))
+    except BaseException:
+        scheduler.halt()
+        scheduler.drained = scheduler.in_flight == 0
+        raise
+    scheduler.drained = scheduler.in_flight == 0
+    note = None
+    if not scheduler.drained:
+        running = [head[u] for u in range(n) if scheduler.state[u] == RUNNING]
+        note = (f"{len(running)} units launched before the step stopped were still running after {DRAIN_S:g} s "
+                f"({format_vertex(mg, running[0], inputs=False)}, ...): engine.run did not wait for them")
     if interrupt is not None:
+        if failure is not None:
+            interrupt.add_note(f"{format_vertex(mg, failure[0], inputs=False)} had failed: "
+                               f"{type(failure[1]).__name__}: {failure[1]}")
+        if note:
+            interrupt.add_note(note)
         raise interrupt
     if failure is not None:
         vid, exc = failure
         info = describe_vertex(mg, vid)
-        raise VertexError(f"{format_info(info)} failed: {type(exc).__name__}: {exc}",
-                          vid, info.kind, info.op, info.module, info.inputs) from exc
+        err = VertexError(f"{format_info(info)} failed: {type(exc).__name__}: {exc}",
+                          vid, info.kind, info.op, info.module, info.inputs)
+        if note:
+            err.add_note(note)
+        raise err from exc
     return records

@@ -5,10 +5,19 @@
 
 Everything that can be checked before work starts (the batch, the ordering,
 stream counts, workspace, locks) is checked first, so a bad call changes nothing.
-A step that fails before any weight was updated can simply be run again. One
-that fails after some weights were updated in place leaves them a mix of two
-steps: the error says so, and every later run, ``mg.state_dict()`` and
-``mg.save()`` refuse until ``mg.release()`` starts over from the compiled weights.
+
+A step is atomic or clearly broken, whatever stops it: a vertex that raises, Ctrl-C
+(KeyboardInterrupt), an error of the loop or of the device. Stopping launches
+nothing more, keeps launched units that have not started from starting, and waits
+for the running ones at most DRAIN_S seconds (a second Ctrl-C: not at all). If no
+vertex that writes a weight's or optimizer state's home had started, the MemGraph
+is as before the step (weights, optimizer states, step count, random generator)
+and the step can simply be run again. Otherwise the weights are a mix of two steps:
+the error says so, and every later run, ``mg.state_dict()`` and ``mg.save()``
+refuse until ``mg.release()`` starts over from ``mg.initial_state``. Units still
+running when engine.run returned are waited for by the next run (at most SETTLE_S
+seconds; then it refuses, naming them). An interrupt that arrives once every unit
+of the step has run does not undo it: the step counts, then KeyboardInterrupt is raised.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import torch
 from .timeline import write_timeline
 from .completions import completion_mode
 from .errors import BatchError, EngineError
-from .loop import Record, Scheduler, drive
+from .loop import Interrupts, Record, Scheduler, drive
 from .policy import Policy, make_policy
 from .resources import StreamPool, WorkspacePool, stream_counts, transfer_depth
 from ..ir.memgraph import MemGraph, Stream
@@ -35,6 +44,8 @@ log = logging.getLogger(__name__)
 # mg.device -> module providing create_runtime(mg); imported on first use so a
 # CPU-only install never imports CUDA code.
 BACKENDS = {"cpu": "turnip.engine.cpu", "cuda": "turnip.engine.cuda"}
+
+SETTLE_S = 10.0  # a run after a step that left units running waits this long for them, then refuses
 
 
 def flatten_batch(mg: MemGraph, batch) -> list[torch.Tensor]:
@@ -95,6 +106,7 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", timeli
     copies_ahead = transfer_depth(runtime.device_type, transfer_ahead)
     mode = completion_mode(runtime.device_type, completion)
     with runtime.lock:
+        settle(runtime)
         graph = runtime.graph
         pool = StreamPool([counts[stream] for stream, _ in graph.keys])
         scheduler = Scheduler(graph, runtime.ranks(mg, policy), policy.strict, pool,
@@ -110,39 +122,106 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", timeli
         # one compute stream per device: no two vertices' op workspaces are ever in use at once
         runtime.shared_workspace = all(n == 1 for (stream, _), n in zip(graph.keys, pool.sizes)
                                        if stream is Stream.COMPUTE)
-        runtime.begin_step(mg, leaves, step)
-        completions = runtime.completion_source()
-        notify = completions.put
         origin = time.perf_counter()
         ok = False
-        try:
-            drive(mg, scheduler, lambda item: runtime.launch(item, notify), completions, records)
-            outputs = runtime.end_step()
-            # the step counter moves only when the step completed, so a failed step can be rerun
-            runtime.step = step
-            ok = True
-            mark_stepped(mg.optimizer)  # the update ran: LR schedulers stepped next must not warn
-        except EngineError as exc:
-            exc.add_note(f"step {step}, ordering {policy!r}")  # a failing random order can be replayed by seed
-            updated = runtime.home_writers.intersection(scheduler.launch_order)
-            if updated:
-                runtime.mixed = (f"step {step} failed after {len(updated)} of {len(runtime.home_writers)} vertices "
-                                 f"that update weights or optimizer states in place had run: the weights mix steps "
-                                 f"{step - 1} and {step}. Call mg.release() to start again from the compiled "
-                                 f"weights (or load a saved MemGraph)")
-                exc.add_note(runtime.mixed)
-            raise
-        finally:
-            if not ok:
-                runtime.abort_step()
-            runtime.last_records = records
-            runtime.last_launch_order = scheduler.launch_order
-            if timeline is not None:
-                write_timeline(timeline, mg, runtime.device_records(records, origin), graph.keys, origin,
-                               instances={k: n for k, n in enumerate(pool.sizes)},
-                               meta={"step": step, "ordering": policy.name, "policy": repr(policy), "ok": ok,
-                                     "vertices": graph.n, "wall_s": time.perf_counter() - origin},
-                               launched=runtime.launched)
+        # from here until the step has counted (or stopped), Ctrl-C is seen by the loop, not raised anywhere
+        with Interrupts() as interrupts:
+            runtime.interrupts = interrupts  # CUDA's end_step looks at it while it waits for the device
+            try:
+                runtime.begin_step(mg, leaves, step)  # backends make the step's token first (cancel_step)
+                completions = runtime.completion_source()
+                notify = completions.put
+                drive(mg, scheduler, lambda item: runtime.launch(item, notify), completions, records,
+                      interrupts=interrupts, stop=getattr(runtime, "cancel_step", None))
+                outputs = runtime.end_step()
+                # the step counter moves only when the step completed, so a stopped step can be rerun
+                runtime.step = step
+                ok = True
+                mark_stepped(mg.optimizer)  # the update ran: LR schedulers stepped next must not warn
+            except BaseException as exc:
+                try:
+                    stopped(mg, runtime, scheduler, exc, step, policy, interrupts)
+                except Exception as err:  # never lose exc; and never leave the weights unmarked
+                    log.exception("accounting for the stopped step failed")
+                    runtime.mixed = (f"step {step} stopped ({type(exc).__name__}) and what it left could not be "
+                                     f"determined ({type(err).__name__}: {err}): the weights may mix steps "
+                                     f"{step - 1} and {step}. Call mg.release() to start again from "
+                                     f"mg.initial_state, or memgraph.load a saved MemGraph")
+                raise
+            finally:
+                if not ok:
+                    try:
+                        runtime.abort_step()
+                    except Exception:  # the error that stopped the step is the one to raise
+                        log.exception("abort_step failed after step %d stopped", step)
+                runtime.interrupts = None
+                runtime.last_records = records
+                runtime.last_launch_order = scheduler.launch_order
+                if timeline is not None:
+                    write_timeline(timeline, mg, runtime.device_records(records, origin), graph.keys, origin,
+                                   instances={k: n for k, n in enumerate(pool.sizes)},
+                                   meta={"step": step, "ordering": policy.name, "policy": repr(policy), "ok": ok,
+                                         "vertices": graph.n, "wall_s": time.perf_counter() - origin},
+                                   launched=runtime.launched)
+            if interrupts.pending is not None:  # raised as the block ends
+                interrupts.pending.add_note(f"step {step} had completed when the interrupt arrived: it counts (the "
+                                            f"weights, optimizer states and step count are those after it)")
         log.debug("step %d: %d vertices in %.3f ms (%s)", step, graph.n,
                   (time.perf_counter() - origin) * 1e3, policy)
         return outputs
+
+
+def settle(runtime) -> None:
+    """Before a step: wait (at most SETTLE_S) for units an earlier stopped step left running; refuse
+    if they still run, since the new step would share the arena with them."""
+    unsettled = getattr(runtime, "unsettled", None)
+    if unsettled is None:
+        return
+    if not runtime.quiesce(SETTLE_S):
+        raise EngineError(f"{unsettled}, and they still run {SETTLE_S:g} s later: a new step would share "
+                          f"the arena with them. Run again once they have finished, or call mg.release() "
+                          f"(which keeps the weights: none of them updates a weight)")
+    runtime.unsettled = None
+
+
+def stopped(mg: MemGraph, runtime, scheduler: Scheduler, exc: BaseException, step: int, policy: Policy,
+            interrupts: Interrupts) -> None:
+    """A step stopped before it counted: start nothing more of it, wait for what runs (the drain's
+    bound; no wait after a second Ctrl-C), then mark what it left: weights that mix two steps if a
+    vertex writing a home had started (``runtime.mixed``), units still running (``runtime.unsettled``)."""
+    exc.add_note(f"step {step}, ordering {policy!r}")  # a failing random order can be replayed by seed
+    what = ("failed" if isinstance(exc, Exception) else f"was interrupted ({type(exc).__name__})")
+    cancel = getattr(runtime, "cancel_step", None)
+    started = cancel() if cancel is not None else None  # units that ran or run; None: assume all launched
+    idle, device_error = True, None
+    quiesce = getattr(runtime, "quiesce", None)
+    if quiesce is not None:
+        timeout = 0.0 if interrupts.hard else max(0.0, interrupts.drain_deadline() - time.monotonic())
+        try:
+            idle = quiesce(timeout)
+        except Exception as err:  # noqa: BLE001 - the device failed (a CUDA error): nothing of it can be trusted
+            idle, device_error = False, err
+    if started is None:
+        ran = set(scheduler.launch_order)
+    else:
+        units = runtime.graph.units
+        ran = {vid for unit in started for vid in units[unit]}
+    updated = runtime.home_writers.intersection(ran)
+    if device_error is not None:
+        runtime.mixed = (f"step {step} {what}, and the device then reported {type(device_error).__name__}: "
+                         f"{device_error}. Nothing it holds can be trusted: restart the process and "
+                         f"memgraph.load the last saved MemGraph")
+        exc.add_note(runtime.mixed)
+    elif updated:
+        runtime.mixed = (f"step {step} {what} after {len(updated)} of {len(runtime.home_writers)} vertices that "
+                         f"update weights or optimizer states in place had run: the weights mix steps {step - 1} "
+                         f"and {step}. Call mg.release() to start again from mg.initial_state (the compiled "
+                         f"weights, or those it was loaded or released with), or memgraph.load a saved MemGraph")
+        exc.add_note(runtime.mixed)
+    else:
+        exc.add_note(f"no weight or optimizer state was updated: the MemGraph is as before step {step}, which "
+                     f"can simply be run again")
+    if not idle and device_error is None and not updated:
+        runtime.unsettled = f"step {step} {what} with units still running"
+        exc.add_note(f"some of its units were still running when engine.run returned; the next engine.run "
+                     f"waits for them (at most {SETTLE_S:g} s)")
