@@ -421,7 +421,8 @@ class Interrupts:
     ``with Interrupts() as interrupts:`` on the main thread replaces SIGINT's Python handler for
     the block. Each signal calls the handler that was there (Python's default raises
     KeyboardInterrupt): what it raises the first time is kept in ``pending`` and not raised, and
-    the loop, which looks at ``pending`` at least every POLL_S, stops launching and drains; what it
+    the loop, which looks at ``pending`` at least every POLL_S, stops launching and drains (or, once
+    an update of a weight has begun, runs the step to its end: see drive's ``finish``); what it
     raises a second time is raised at once, wherever the main thread is (``hard``): control comes
     back without waiting for the drain. Later signals in the block are ignored (control is on its
     way back). A handler that returns without raising keeps meaning "ignore it". On leaving the
@@ -509,7 +510,8 @@ def _timed_get(completions) -> Callable[[float], Completion | None]:
 
 def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
           completions: queue.SimpleQueue[Completion], records: list[Record] | None = None, *,
-          interrupts: Interrupts | None = None, stop: Callable[[], object] | None = None) -> list[Record]:
+          interrupts: Interrupts | None = None, stop: Callable[[], object] | None = None,
+          finish: Callable[[], bool] | None = None) -> list[Record]:
     """Run the step to the end on the calling thread; return what ran where and when.
 
     The loop works on units (StaticGraph); ``launch`` gets a unit, the records name each unit by
@@ -520,7 +522,10 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
 
     The step stops early when a unit raises (an Exception: VertexError once drained; a
     KeyboardInterrupt or other BaseException: raised as it is) or when ``interrupts.pending`` is
-    set (raised once drained). Stopping: nothing more is launched, ``stop()`` (the backend's
+    set (raised once drained), unless ``finish()`` says, when the first Ctrl-C is seen, that stopping
+    would leave the weights mixing two steps (an update of a weight has begun): the step then runs to
+    its end, nothing lost, and the interrupt is the caller's to raise once it has counted (a second
+    Ctrl-C still stops it at once). Stopping: nothing more is launched, ``stop()`` (the backend's
     cancel_step) keeps launched units that have not started from starting, and the units in
     flight are waited for, at most DRAIN_S seconds; after that they are abandoned
     (``scheduler.drained`` False, a note on the exception). An exception of the loop itself (its
@@ -529,6 +534,7 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
     records = [] if records is None else records
     failure: tuple[int, BaseException] | None = None
     interrupt: BaseException | None = None
+    finishing = False  # Ctrl-C came after an update began: the step runs to its end
     deadline: float | None = None  # set once the loop stops launching
     wait = _timed_get(completions)
 
@@ -540,12 +546,22 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
             if stop is not None:
                 stop()
 
-    def launch_all(batch: list[Launch]) -> None:
-        nonlocal interrupt
-        for item in batch:
-            if interrupt is None and interrupts is not None and interrupts.pending is not None:
-                interrupt = interrupts.pending
+    def take_interrupt() -> None:
+        """The first Ctrl-C: stop, or finish a step whose updates began."""
+        nonlocal interrupt, finishing
+        if interrupt is None and interrupts is not None and interrupts.pending is not None:
+            interrupt = interrupts.pending
+            if finish is not None and finish():
+                finishing = True
+                log.warning("Ctrl-C: this step's updates have begun, so it runs to its end (%d of %d units "
+                            "done) and counts; Ctrl-C again to stop at once, which leaves the weights mixing "
+                            "two steps", scheduler.done, scheduler.g.n)
+            else:
                 halt()
+
+    def launch_all(batch: list[Launch]) -> None:
+        for item in batch:
+            take_interrupt()
             if deadline is not None:  # stopped within this batch: the backend never gets the rest
                 now = time.perf_counter()
                 completions.put(Completion(item.vertex, NotRun("the step was stopping"), now, now))
@@ -565,9 +581,7 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
     try:
         launch_all(scheduler.start())
         while scheduler.done < n:
-            if interrupt is None and interrupts is not None and interrupts.pending is not None:
-                interrupt = interrupts.pending
-                halt()
+            take_interrupt()
             if scheduler.in_flight == 0:
                 if failure is not None or interrupt is not None:
                     break
@@ -588,12 +602,13 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
             records.append(Record(head[vid], key_of[vid], instance_of[vid], done.start, done.end, error is None))
             if error is not None and not isinstance(error, NotRun):
                 if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit raised by the unit
-                    if interrupt is None:
-                        interrupt = error
+                    if interrupt is None or finishing:
+                        interrupt, finishing = error, False
                         halt()
                 elif failure is None:
                     # a unit of several vertices says which one failed (Runtime.execute_unit)
                     failure = (getattr(error, "failed_vertex", head[vid]), error)
+                    finishing = False
                     halt()
                 else:
                     log.warning("vertex %d also failed while draining: %r", vid, error)
@@ -608,6 +623,8 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
         running = [head[u] for u in range(n) if scheduler.state[u] == RUNNING]
         note = (f"{len(running)} units launched before the step stopped were still running after {DRAIN_S:g} s "
                 f"({format_vertex(mg, running[0], inputs=False)}, ...): engine.run did not wait for them")
+    if finishing and failure is None and scheduler.done == n:
+        return records  # the step ran to its end: the caller counts it, then raises the interrupt
     if interrupt is not None:
         if failure is not None:
             interrupt.add_note(f"{format_vertex(mg, failure[0], inputs=False)} had failed: "

@@ -132,7 +132,8 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", timeli
                 completions = runtime.completion_source()
                 notify = completions.put
                 drive(mg, scheduler, lambda item: runtime.launch(item, notify), completions, records,
-                      interrupts=interrupts, stop=getattr(runtime, "cancel_step", None))
+                      interrupts=interrupts, stop=getattr(runtime, "cancel_step", None),
+                      finish=lambda: bool(runtime.home_writers.intersection(scheduler.launch_order)))
                 outputs = runtime.end_step()
                 # the step counter moves only when the step completed, so a stopped step can be rerun
                 runtime.step = step
@@ -164,8 +165,9 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", timeli
                                          "vertices": graph.n, "wall_s": time.perf_counter() - origin},
                                    launched=runtime.launched)
             if interrupts.pending is not None:  # raised as the block ends
-                interrupts.pending.add_note(f"step {step} had completed when the interrupt arrived: it counts (the "
-                                            f"weights, optimizer states and step count are those after it)")
+                interrupts.pending.add_note(f"step {step} ran to its end (the interrupt came after its updates had "
+                                            f"begun, or once every unit had run): it counts (the weights, optimizer "
+                                            f"states and step count are those after it)")
         log.debug("step %d: %d vertices in %.3f ms (%s)", step, graph.n,
                   (time.perf_counter() - origin) * 1e3, policy)
         return outputs
