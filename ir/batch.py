@@ -1,5 +1,5 @@
-"""A batch checked against the traced example before any work: its structure, its tensors' shapes and
-dtypes, its constants; the one place a batch is matched to ``TaskGraph.batch_inputs``."""
+"""A batch checked against the traced example before any work: its structure, its tensors' shapes,
+dtypes and devices, its constants; the one place a batch is matched to ``TaskGraph.batch_inputs``."""
 
 from __future__ import annotations
 
@@ -43,12 +43,26 @@ def _size_hint(leaf: torch.Tensor, value) -> str:
     return " (another batch size than the traced example's: compile a MemGraph for this batch size)"
 
 
+def _devices_taken(device: str) -> tuple[str, ...]:
+    """Device types a step on `device` reads batch tensors from: its own, and on CUDA host memory too
+    (each leaf is copied into the arena, so a DataLoader's CPU batch needs no .to("cuda") first)."""
+    kind = str(device).split(":")[0]
+    return (kind, "cpu") if kind == "cuda" else (kind,)
+
+
+def _device_advice(device: str) -> str:
+    kind = str(device).split(":")[0]
+    if kind == "cuda":
+        return "pass tensors on the GPU or in host memory (a 'meta' tensor has no data to train on)"
+    return f"move the batch with .to({kind!r}) (a 'meta' tensor has no data to train on)"
+
+
 def check_batch(tg, batch) -> list[torch.Tensor]:
     """The batch's tensor leaves in the order of ``tg.batch_inputs``, after checking the batch against
     the traced example: the same structure (lists and tuples alike, dict keys in any order), tensors
-    of the same shapes and dtypes, and non-tensor leaves (compile-time constants) equal. A step that
-    accumulates gradients over k micro-batches (``tg.accumulation_steps``) takes a list or tuple of k
-    batches, each checked so. Raises BatchError, one line naming the input, otherwise."""
+    of the same shapes and dtypes on a device the step reads (its own; on CUDA host memory too), and
+    non-tensor leaves (compile-time constants) equal. A step that accumulates gradients over k
+    micro-batches (``tg.accumulation_steps``) takes a list or tuple of k batches, each checked so. Raises BatchError, one line naming the input, otherwise."""
     steps = tg.accumulation_steps
     if steps == 1:
         return _check_one(tg, tg.batch_inputs, batch, "")
@@ -105,5 +119,8 @@ def _check_one(tg, inputs: list[int], batch, where: str) -> list[torch.Tensor]:
         if tuple(leaf.shape) != tuple(value.shape) or leaf.dtype != value.dtype:
             raise BatchError(f"{where}batch input '{name}' (leaf {i}): expected {want}, "
                              f"got {tuple(leaf.shape)} {_dtype_name(leaf.dtype)}{_size_hint(leaf, value)}")
+        if leaf.device.type not in _devices_taken(tg.device):
+            raise BatchError(f"{where}batch input '{name}' (leaf {i}) is on device '{leaf.device}', and this "
+                             f"MemGraph runs on '{tg.device}': {_device_advice(tg.device)}")
         tensors.append(leaf)
     return tensors

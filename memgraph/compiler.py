@@ -23,7 +23,7 @@ from .remake_offloaded import recompute_evicted
 from .report import compile_report
 from ..trace.passes import DONATE, run_passes
 from ..trace.split_loss import split_loss_head
-from ..trace.tracer import target_device, trace
+from ..trace.tracer import check_clipping, target_device, trace
 from ..planners.cache import CachedPlan, PlanCache, plan_key
 from ..planners.costs import default_costs
 from ..planners.driver import check_options, plan_candidates, run_plan, smallest_budget
@@ -73,7 +73,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     fused_optimizer: Adam/AdamW as one fused kernel per parameter (default on CUDA); off, the
     exact single-tensor torch.optim update (the CPU default, bitwise equal to eager).
     max_grad_norm, norm_type: clip the gradients before the update as
-    torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type) would.
+    torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type) would; max_grad_norm is a
+    positive finite number (anything else raises ValueError before tracing) or None.
     accumulation_steps: accumulate gradients over this many micro-batches per step, as eager's
     ``opt.zero_grad(); for b in micro: loss_fn(model, b).backward(); opt.step()`` (gradients
     summed in place in eager's order; clipping, if asked, applies to the accumulated gradient).
@@ -128,6 +129,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     planners.costs.CostModel (default: measured on a present CUDA device, analytic otherwise).
     """
     gpu_limit = Budget.read(budget)  # read once, here: a budget that cannot be read fails before tracing
+    check_clipping(max_grad_norm)
     check_host_update(host_update)
     cpu_limit = Budget.read(cpu_budget, what="cpu_budget") if cpu_budget is not None else None
     store = PlanCache.open(cache)

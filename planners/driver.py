@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..ir.budget import format_bytes
+from ..ir.describe import format_task_vertex
 from ..ir.errors import InfeasibleBudget
 from ..ir.plan import Plan
 from ..ir.sizes import aligned
@@ -245,22 +246,42 @@ def smallest_budget(tg: TaskGraph, alignment: int) -> int:
     single step's inputs and outputs in the arena, plus the largest workspace (BuildMemGraph
     builds every budget from there up when pinned storage is unbounded). An in-place update's
     new version takes its old version's bytes, so it is counted once."""
+    return floor_vertex(tg, alignment)[0]
+
+
+def floor_vertex(tg: TaskGraph, alignment: int) -> tuple[int, int, int]:
+    """(smallest_budget, the vertex whose inputs and outputs set it, their bytes): the vertex is -1
+    when a value bound at the end of the step (an updated weight or state) is larger than any
+    vertex's inputs and outputs."""
     def size(v: int) -> int:
         return aligned(tg.values[v].nbytes, alignment)
 
-    need = 0
-    for vertex in tg.vertices:
-        in_place = {new for old, new in vertex.copy_in if size(old) == size(new)}
-        outputs = sum(size(o) for o in vertex.outputs if o >= 0 and o not in in_place)
-        need = max(need, outputs + sum(size(x) for x in vertex.inputs()))
+    need, vertex = 0, -1
+    for index, v in enumerate(tg.vertices):
+        in_place = {new for old, new in v.copy_in if size(old) == size(new)}
+        outputs = sum(size(o) for o in v.outputs if o >= 0 and o not in in_place)
+        here = outputs + sum(size(x) for x in v.inputs())
+        if here > need:
+            need, vertex = here, index
     for dst in tg.bindings.values():
-        need = max(need, size(dst))
-    return need + tg.step_workspace()
+        if size(dst) > need:
+            need, vertex = size(dst), -1
+    return need + tg.step_workspace(), vertex, need
 
 
 def raise_infeasible(problem: Problem, needed: int) -> None:
+    floor, vertex, io_bytes = floor_vertex(problem.tg, problem.alignment)
+    if floor != needed:  # a floor computed otherwise: no vertex to blame
+        vertex = -1
+    if vertex >= 0:
+        setter = (f"; the floor is set by {format_task_vertex(problem.tg, vertex)}, whose inputs and outputs "
+                  f"take {format_bytes(io_bytes)} at once")
+    elif floor == needed:
+        setter = f"; the floor is set by one value of the step's state ({format_bytes(io_bytes)})"
+    else:
+        setter = ""
     msg = (f"GPU budget {format_bytes(problem.gpu_budget)} ({problem.gpu_budget} bytes) is too small for this "
            f"step: the smallest budget that could work is {format_bytes(needed)} ({needed} bytes), the largest "
            f"single op's inputs and outputs plus {format_bytes(problem.max_workspace)} of op workspace, with every "
-           f"weight and optimizer state streamed from the CPU")
-    raise InfeasibleBudget(msg, minimum=needed)
+           f"weight and optimizer state streamed from the CPU{setter}")
+    raise InfeasibleBudget(msg, minimum=needed, vertex=vertex)

@@ -15,8 +15,11 @@ joined when the interpreter exits, before HiGHS's libraries are torn down.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import inspect
 import logging
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -97,6 +100,56 @@ def _variable(prob: pulp.LpProblem, name: str, lb, ub, integer: bool) -> pulp.Lp
     if hasattr(prob, "add_variable"):
         return prob.add_variable(name, lb, ub, cat=cat)
     return pulp.LpVariable(name, lb, ub, cat)
+
+
+_BANNER_LOCK = threading.Lock()
+_banner_shown = False  # HiGHS's banner has been printed (or swallowed) in this process
+
+
+def _swallow_banner() -> None:
+    """Make this process's first HiGHS object with its standard output (file descriptor 1) pointed
+    at /dev/null. HiGHS prints "Running HiGHS <version> ... Copyright ..." to the process's stdout
+    from C++ when the first Highs object is made, before any option (output_flag) can be set, and
+    never again; so the planner prints nothing, whatever msg says of the solve itself. Python's
+    buffered stdout is flushed first and C's after, so no earlier output is lost or misplaced (what
+    another thread writes to descriptor 1 in the instant it takes goes to /dev/null too)."""
+    global _banner_shown
+    with _BANNER_LOCK:
+        if _banner_shown:
+            return
+        _banner_shown = True
+        try:
+            import highspy
+        except ImportError:
+            return
+        try:
+            sys.stdout.flush()
+        except (AttributeError, ValueError, OSError):  # no stdout, or closed
+            pass
+        libc = _libc()
+        try:
+            saved = os.dup(1)
+        except OSError:  # no descriptor 1: nothing to print to
+            highspy.Highs()
+            return
+        try:
+            with open(os.devnull, "w") as devnull:
+                os.dup2(devnull.fileno(), 1)
+                try:
+                    highspy.Highs()
+                finally:
+                    if libc is not None:
+                        libc.fflush(None)  # C's stdout buffer, while it still goes to /dev/null
+                    os.dup2(saved, 1)
+        finally:
+            os.close(saved)
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None)
+    except OSError:  # Windows: no process-wide C library handle
+        return None
 
 
 def _highs_class():
@@ -192,6 +245,8 @@ def solve(f: Formulation, start: list[float] | None = None, time_limit: float = 
         if threads:
             kwargs["threads"] = threads
         bound = None if cutoff is None else cutoff + CUTOFF_SLACK * max(1.0, abs(cutoff))
+        if not msg:
+            _swallow_banner()
         engine = highs(warm=start is not None, cutoff=bound, wait_s=deadline(time_limit), **kwargs)
         name = "HiGHS (highspy)"
     else:

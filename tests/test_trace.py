@@ -154,7 +154,8 @@ def test_unsupported_optimizers_are_refused_by_name(make_opt, pattern):
 
 def test_non_scalar_loss_is_refused():
     model = nn.Linear(4, 4)
-    with pytest.raises(UnsupportedFeature, match="scalar floating-point"):
+    with pytest.raises(UnsupportedFeature, match=r"loss_fn returned a tensor of dtype torch.float32, shape \(2, 4\): "
+                                                 r"it must return a floating-point scalar"):
         memgraph.trace(model, lambda m, b: m(b), torch.randn(2, 4))
 
 

@@ -14,16 +14,23 @@ output sizes only the backend knows at run time (fused RNN kernels).
 
 from __future__ import annotations
 
+import functools
+import linecache
 import logging
+import math
+import numbers
 import operator
 import os
 import sys
+import sysconfig
+import traceback
+from typing import NamedTuple
 
 import torch
 import torch.fx.experimental.symbolic_shapes
 import torch.utils.checkpoint
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -39,7 +46,7 @@ from ..ir.taskgraph import (
 from ..kernels.ops import HIDDEN_MUTATIONS, RUNTIME_SIZED, flatten_returns, is_random, op_name, out_variant
 from .accumulate import accumulate, check_steps, loss_outputs, micro_prefix, split
 from .constant_checks import eager_answers
-from .errors import UnsupportedFeature, UnsupportedOp
+from .errors import EagerRefusal, SourceLine, UnsupportedFeature, UnsupportedOp
 from .optimizer_update import UpdateEmitter, initial_states, spec_from_optimizer
 from .passes import run_passes, step_passes
 
@@ -123,6 +130,19 @@ class _ModuleTracker:
     def current(self) -> str:
         return self.stack[-1] if self.stack else ""
 
+    def path(self) -> str | None:
+        """The innermost module running now: its path ("" for the model itself), None outside the model."""
+        return self.stack[-1] if self.stack else None
+
+    def type_name(self, path: str | None) -> str:
+        """The class of the module at `path` ("" outside the model)."""
+        if path is None:
+            return ""
+        try:
+            return type(self.model.get_submodule(path)).__name__
+        except AttributeError:
+            return ""
+
     def module_at(self, node_index: int) -> str:
         path = ""
         for start, name in self.spans:  # spans are in node order; few enough to scan
@@ -130,6 +150,238 @@ class _ModuleTracker:
                 break
             path = name
         return path
+
+
+# Code whose frames are not the user's: a refusal points at the innermost frame outside them (the
+# user's line, or the line of a library such as transformers that the user's model runs). Torch and
+# turnip by package, the standard library by folder (a user's own trace.py or test.py is the user's).
+_NOT_USER = frozenset({"torch", "functorch", __name__.partition(".")[0]})
+_STDLIB = tuple({os.path.join(os.path.realpath(sysconfig.get_paths()[key]), "")
+                 for key in ("stdlib", "platstdlib")})
+
+
+def _is_user_frame(frame) -> bool:
+    if frame.f_globals.get("__name__", "").partition(".")[0] in _NOT_USER:
+        return False
+    file = frame.f_code.co_filename
+    if file.startswith("<frozen "):
+        return False
+    return not (file.startswith(_STDLIB) and "-packages" + os.sep not in file)
+
+
+def _live_frames(frame):
+    """(frame, line) from `frame` outwards: the live stack, innermost first."""
+    while frame is not None:
+        yield frame, frame.f_lineno
+        frame = frame.f_back
+
+
+def _raised_frames(exc: BaseException):
+    """(frame, line) of an exception's traceback, innermost (where it was raised) first."""
+    return reversed(list(traceback.walk_tb(exc.__traceback__)))
+
+
+def _user_place(frames) -> tuple[str, int] | None:
+    """(file, line) of the first of `frames` (innermost first) outside torch, turnip and the
+    standard library; None when every frame is theirs."""
+    for frame, line in frames:
+        if _is_user_frame(frame):
+            return frame.f_code.co_filename, line
+    return None
+
+
+def _source_line(place: tuple[str, int] | None) -> SourceLine | None:
+    if place is None:
+        return None
+    file, line = place
+    return SourceLine(file, line, linecache.getline(file, line).strip())
+
+
+class _Origin(NamedTuple):
+    """Where traced nodes come from: the module running (None: loss_fn, outside the model), the
+    user's (file, line) that made them, and the phase ("backward" for the nodes an autograd node of
+    that forward call adds)."""
+
+    module: str | None
+    place: tuple[str, int] | None
+    phase: str = "forward"
+
+
+_ORIGIN_KEY = "turnip.origin"  # on an autograd node's metadata: the _Origin of the call that made it
+
+
+def _function_name(func) -> str:
+    """A torch function as users write it: torch.nn.functional.linear, torch.Tensor.__add__."""
+    name = getattr(func, "__name__", None) or repr(func)
+    try:
+        resolved = torch.overrides.resolve_name(func)
+    except Exception:  # noqa: BLE001 - only a name for a message
+        resolved = None
+    if resolved and resolved.rpartition(".")[2] == name:
+        return resolved
+    owner = getattr(func, "__objclass__", None)
+    return f"torch.{owner.__name__}.{name}" if owner is not None else f"torch.{name}"
+
+
+def _floating(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+def _tensor_args(args, kwargs):
+    """The tensors among a call's arguments (and in its lists and tuples, one level down)."""
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, torch.Tensor):
+            yield arg
+        elif isinstance(arg, (list, tuple)):
+            for item in arg:
+                if isinstance(item, torch.Tensor):
+                    yield item
+
+
+def _substitutes(x, dtype: torch.dtype | None = None):
+    """Real tensors standing in for a call's fake ones: zeros of the same shape, dtype and device
+    that take no memory (a broadcast scalar); floating-point ones in `dtype` when given."""
+    if isinstance(x, torch.Tensor):
+        want = dtype if dtype is not None and _floating(x) else x.dtype
+        return torch.zeros((), dtype=want, device=x.device).expand(x.shape)
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(_substitutes(item, dtype) for item in x)
+    if isinstance(x, dict):
+        return {k: _substitutes(v, dtype) for k, v in x.items()}
+    return x
+
+
+_EAGER_VERDICTS: dict = {}  # (function, argument dtypes, devices) -> eager's exception, or None where it accepts
+
+
+def _eager_refusal(func, args, kwargs, tensors: list[torch.Tensor]) -> Exception | None:
+    """Eager's exception when it refuses this call for its mix of floating-point dtypes, None when
+    it accepts it. Fake tensors run meta kernels, and some of them (mm, addmm, layer_norm's CPU
+    kernel, index_add_, nll_loss's weight, ...) do not check dtypes as the device kernels do, so a
+    float64 model given a float32 batch would trace where eager raises. The call is run as eager
+    would run it, on real zeros of the same shapes (broadcast, no memory) on the same devices, once
+    with the dtypes given and, when that raises, once with every floating-point tensor in one dtype:
+    only a call that fails the first way and runs the second is refused, so a failure of the
+    substitutes themselves (an in-place write into a broadcast zero) is never blamed on the dtypes.
+    Answers are kept per function and dtypes (they do not depend on shapes)."""
+    try:
+        key = (func, tuple((t.dtype, t.device.type) for t in tensors))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in _EAGER_VERDICTS:
+        return _EAGER_VERDICTS[key]
+    uniform = next(t.dtype for t in tensors if _floating(t))
+    cuda = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
+    verdict = None
+    with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch._C.DisableTorchFunction(), \
+            torch.no_grad(), torch.random.fork_rng(devices=cuda):  # a random op must not move eager's generators
+        try:
+            func(*_substitutes(args), **_substitutes(kwargs))
+        except Exception as mixed:  # noqa: BLE001 - eager's refusal, whatever its type
+            try:
+                func(*_substitutes(args, uniform), **_substitutes(kwargs, uniform))
+            except Exception:  # noqa: BLE001 - fails with one dtype too: not the dtypes' doing
+                verdict = None
+            else:
+                verdict = mixed
+    if key is not None:
+        _EAGER_VERDICTS[key] = verdict
+    return verdict
+
+
+class _Origins(TorchFunctionMode):
+    """Where the traced nodes come from, for refusals. While loss_fn runs, each torch call that adds
+    nodes to the graph marks them with the module running and the user's line that made the call
+    (the innermost frame outside torch, turnip and the standard library); the autograd nodes it
+    makes carry the same mark, so the nodes their backward adds get it too, as phase "backward".
+    A call mixing floating-point dtypes is first put to eager (_eager_refusal): what eager refuses
+    is refused here too, as eager's error.
+
+    make_fx records neither: its node.meta["stack_trace"] (record_stack_traces) keeps only frames of
+    functions named "forward", so it has no line of loss_fn, and backward nodes get none."""
+
+    def __init__(self, modules: _ModuleTracker):
+        super().__init__()
+        self.modules = modules
+        self.spans: list[tuple[int, _Origin | None]] = []  # (first node index, origin of the nodes from there on)
+        self.failed_in: _Origin | None = None  # where the forward was when an exception left it
+        self.last: _Origin | None = None  # the origin of the last call seen that added nodes
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and self.failed_in is None:
+            self.failed_in = _Origin(self.modules.path(), None)
+        return super().__exit__(exc_type, exc, tb)
+
+    def mark(self, index: int, origin: _Origin | None) -> None:
+        if self.spans and index < self.spans[-1][0]:
+            return  # no graph to count nodes in here: spans stay in node order
+        if self.spans and self.spans[-1][0] == index:
+            self.spans.pop()
+        if not self.spans or self.spans[-1][1] != origin:
+            self.spans.append((index, origin))
+
+    def at(self, index: int) -> _Origin | None:
+        found = None
+        lo, hi = 0, len(self.spans)
+        while lo < hi:  # the last span starting at or before index
+            mid = (lo + hi) // 2
+            if self.spans[mid][0] <= index:
+                found, lo = self.spans[mid][1], mid + 1
+            else:
+                hi = mid
+        return found
+
+    def last_backward(self) -> _Origin | None:
+        for _, origin in reversed(self.spans):
+            if origin is not None and origin.phase == "backward":
+                return origin
+        return None
+
+    def _backward_of(self, origin: _Origin, _grad_outputs) -> None:
+        self.mark(_ModuleTracker.node_count(), origin._replace(phase="backward"))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = list(_tensor_args(args, kwargs))
+        if len({t.dtype for t in tensors if _floating(t)}) > 1:
+            refused = _eager_refusal(func, args, kwargs, tensors)
+            if refused is not None:
+                module = self.modules.path()
+                kinds = ", ".join(f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" for t in tensors)
+                raise EagerRefusal(
+                    _function_name(func), module,
+                    f"eager PyTorch refuses these inputs too, with {type(refused).__name__}: {refused} (tensor "
+                    f"inputs: {kinds}); give them one dtype as eager needs (the model's and the batch's: "
+                    f"model.to(dtype), or the batch's tensors .to(dtype))",
+                    module_type=self.modules.type_name(module),
+                    source=_source_line(_user_place(_live_frames(sys._getframe(1))))) from refused
+        before = _ModuleTracker.node_count()
+        result = func(*args, **kwargs)
+        after = _ModuleTracker.node_count()
+        if after != before:
+            origin = _Origin(self.modules.path(), _user_place(_live_frames(sys._getframe(1))))
+            self.mark(before, origin)
+            self.mark(after, None)
+            # an input made by a call not seen here (a custom autograd.Function's apply, whose forward
+            # ran the last call seen) takes that call's origin
+            self.adopt(tensors)
+            for out in (result if isinstance(result, (tuple, list)) else (result,)):
+                if isinstance(out, torch.Tensor):
+                    self._tag(out.grad_fn, origin)
+            self.last = origin
+        return result
+
+    def adopt(self, tensors) -> None:
+        """Give the autograd nodes of `tensors` that no seen call made the last seen call's origin."""
+        if self.last is not None:
+            for t in tensors:
+                self._tag(t.grad_fn, self.last)
+
+    def _tag(self, grad_fn, origin: _Origin) -> None:
+        if grad_fn is not None and _ORIGIN_KEY not in grad_fn.metadata:
+            grad_fn.metadata[_ORIGIN_KEY] = origin
+            grad_fn.register_prehook(functools.partial(self._backward_of, origin))
 
 
 _GRAD_ACCESS = (torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__)
@@ -189,9 +441,12 @@ def _fake_like(mode, t: torch.Tensor, device: torch.device, requires_grad: bool)
 class _GraphReader:
     """Turns the FX graph into TaskGraph vertices, tracking the current value of every storage."""
 
-    def __init__(self, tg: TaskGraph, modules: _ModuleTracker, forward_spans: list[tuple[int, int]]):
+    def __init__(self, tg: TaskGraph, modules: _ModuleTracker, origins: _Origins,
+                 forward_spans: list[tuple[int, int]]):
         self.tg = tg
         self.modules = modules
+        self.origins = origins
+        self.reading: tuple[str, int] | None = None  # (op, node index) of the node being read, for refusals
         self.forward_spans = forward_spans  # [start, end) node indices of each forward pass (one per micro-batch)
         self.current: dict[int, int] = {}  # storage key -> value id holding its latest version
         self.vals: dict[torch.fx.Node, object] = {}
@@ -218,7 +473,10 @@ class _GraphReader:
                 return self.ref(val)
             if val is None or type(val) in (int, float, bool):
                 return val  # a static non-tensor result (e.g. attention's max sequence length)
-            raise UnsupportedFeature(f"node {arg.name} carries a non-tensor value {type(val).__name__}")
+            why = f"reads node {arg.name}, which carries a non-tensor value {type(val).__name__}"
+            if self.reading is None:
+                raise UnsupportedFeature(f"the traced step {why}")
+            raise self.refuse(*self.reading, why)
         if isinstance(arg, (list, tuple)):
             return type(arg)(self.template(a) for a in arg)
         if isinstance(arg, dict):
@@ -230,21 +488,32 @@ class _GraphReader:
         self.current[_storage_key(t)] = vid
         return vid
 
+    def refuse(self, name: str, index: int, why: str) -> UnsupportedOp:
+        """The refusal of node `index` (op `name`): its module and the user's line that made it, from
+        the origins recorded while tracing; a backward node names the forward call it differentiates."""
+        origin = self.origins.at(index)
+        if origin is None:  # made outside loss_fn (clipping, the update) or by no recorded call
+            forward = any(start <= index < end for start, end in self.forward_spans)
+            origin = _Origin(self.modules.module_at(index) or None, None, "forward" if forward else "backward")
+        return UnsupportedOp(name, origin.module, why, module_type=self.modules.type_name(origin.module),
+                             source=_source_line(origin.place), phase=origin.phase,
+                             forward_source=origin.phase == "backward")
+
     def read(self, node: torch.fx.Node, index: int) -> None:
         op = node.target
         if op is operator.getitem:
             return
         if not isinstance(op, torch._ops.OpOverload):
-            raise UnsupportedFeature(f"traced call {op} is not an ATen op")
+            raise self.refuse(str(op), index, "is not an ATen op: turnip runs ATen ops only")
         name = op_name(op)
+        self.reading = (name, index)
         phase = "forward" if any(start <= index < end for start, end in self.forward_spans) else "backward"
         module = self.modules.module_at(index) if phase == "forward" else ""
         if name in RUNTIME_SIZED:
-            kind = type(self.modules.model.get_submodule(module)).__name__ if module else "loss_fn"
-            raise UnsupportedOp(name, module, f"({kind}) {RUNTIME_SIZED[name]}")
+            raise self.refuse(name, index, RUNTIME_SIZED[name])
         flat = flatten_returns(node.meta.get("val"))
         if any(not (t is None or isinstance(t, torch.Tensor) or type(t) in (int, float, bool)) for t in flat):
-            raise UnsupportedOp(name, module, "returns a symbolic value (data-dependent result)")
+            raise self.refuse(name, index, "returns a symbolic value (a result that depends on tensor values)")
         results = [t for t in flat if isinstance(t, torch.Tensor)]
         mutated = []
         for arg_schema, arg in zip(op._schema.arguments, node.args):
@@ -271,7 +540,7 @@ class _GraphReader:
             if not isinstance(t, torch.Tensor) or _storage_key(t) in self.current:
                 outputs.append(-1)
             elif t.storage_offset() != 0:
-                raise UnsupportedOp(name, module, "returns a tensor that does not start at its storage")
+                raise self.refuse(name, index, "returns a tensor that does not start at its storage")
             else:
                 outputs.append(self.new_value(t))
         self.tg.add_vertex(name, args, kwargs, outputs, module=module, phase=phase, random=is_random(op))
@@ -284,14 +553,14 @@ class _GraphReader:
         for t in mutated:
             key = _storage_key(t)
             if key not in self.current:
-                raise UnsupportedOp(name, module, "writes into a tensor the graph does not know")
+                raise self.refuse(*self.reading, "writes into a tensor the graph does not know")
             val = self.tg.values[self.current[key]]
             if val.kind is ValueKind.FROZEN and val.name.startswith("buffer:"):
                 # module state (BatchNorm's running statistics): updated in place each step, its last
                 # version bound to its home like an optimizer state's
                 self.module_state.setdefault(val.id, key)
             elif val.kind is not ValueKind.INTERMEDIATE:
-                raise UnsupportedOp(name, module, f"mutates {val.kind.value} input '{val.name}' in place "
+                raise self.refuse(*self.reading, f"mutates {val.kind.value} input '{val.name}' in place "
                                     f"(of the step's inputs only module buffers may be updated in place)")
             if key not in keys:
                 keys.append(key)
@@ -303,7 +572,7 @@ class _GraphReader:
             except ValueError:
                 variant = None
             if variant is None or len(fresh) != len(flat) or any(t.storage_offset() != 0 for t in fresh):
-                raise UnsupportedOp(name, module, "mutates an argument and also returns a new tensor")
+                raise self.refuse(*self.reading, "mutates an argument and also returns a new tensor")
         copy_in, outputs = [], []
         for key in keys:
             old = self.tg.values[self.current[key]]
@@ -384,6 +653,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     implementation op for op, bitwise equal to eager (the CPU default).
     """
     steps = check_steps(accumulation_steps)
+    check_clipping(max_grad_norm)
     if not backward:
         _check_forward_only(optimizer, max_grad_norm, steps)
     _refuse_checkpointing(model)
@@ -430,6 +700,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     fake_buffers = [_fake_like(fake_mode, b, device, False) for b in buffers.values()]
     fake_leaves = [_fake_like(fake_mode, leaves[j], device, False) for _ in range(steps) for j in batch_tensors]
     modules = _ModuleTracker(model)
+    origins = _Origins(modules)
     marks = {}
 
     def step(train, froz, bufs, batch_fakes):
@@ -441,11 +712,12 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
             slot = dict(zip(batch_tensors, fakes, strict=True))
             batch = pytree.tree_unflatten([slot.get(j, x) for j, x in enumerate(leaves)], batch_spec)
             start = _ModuleTracker.node_count()
-            with _reparametrize_module(model, mapping, tie_weights=True), modules, guard:
+            # the guard sees loss_fn's calls first: it names their caller
+            with _reparametrize_module(model, mapping, tie_weights=True), modules, origins, guard:
                 loss = loss_fn(model, batch)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-                raise UnsupportedFeature(f"loss_fn must return a scalar floating-point tensor, got "
-                                         f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+            _check_loss(loss, loss_fn)
+            with torch._C.DisableTorchFunction():
+                origins.adopt([loss])  # the loss of a custom autograd.Function
             marks["forward"].append((start, _ModuleTracker.node_count()))
             return loss
 
@@ -453,7 +725,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
             slot = dict(zip(batch_tensors, batch_fakes, strict=True))
             batch = pytree.tree_unflatten([slot.get(j, x) for j, x in enumerate(leaves)], batch_spec)
             start = _ModuleTracker.node_count()
-            with torch.no_grad(), _reparametrize_module(model, mapping, tie_weights=True), modules:
+            with torch.no_grad(), _reparametrize_module(model, mapping, tie_weights=True), modules, origins:
                 named = forward_outputs(loss_fn(model, batch))
             marks["forward"].append((start, _ModuleTracker.node_count()))
             marks["outputs"] = [name for name, _ in named]
@@ -467,6 +739,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
             losses, grads = accumulate(micro_loss, train, split(batch_fakes, steps))
             loss, stacked = loss_outputs(losses)
             per_micro = [stacked]
+        origins.mark(_ModuleTracker.node_count(), None)  # the backward passes end here
         if max_grad_norm is not None:
             grads = _clipped(grads, max_grad_norm, norm_type)  # the accumulated gradients, as eager clips
         marks["has_grad"] = [g is not None for g in grads]
@@ -476,12 +749,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
         with eager_answers():  # library checks of batch-independent values answered as eager does
             gm = make_fx(step, tracing_mode="fake")(fake_train, fake_frozen, fake_buffers, fake_leaves)
     except _DATA_DEPENDENT as err:
-        op = getattr(err, "func", None)
-        where = modules.current()
-        what = f"op {op} " if op is not None else ""
-        raise UnsupportedFeature(
-            f"{what}in module '{where}' depends on tensor values (data-dependent control flow, .item(), "
-            f"or a data-dependent shape), which a static step graph cannot express") from err
+        raise _data_dependent(err, origins) from err
 
     tg = TaskGraph(device=device.type)
     tg.optimizer = spec
@@ -489,7 +757,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     tg.batch_constants = {i: leaves[j] for i, j in enumerate(order) if not isinstance(leaves[j], torch.Tensor)}
     leaf_names = batch_leaf_names(tg.batch_spec)
     tg.accumulation_steps = steps
-    reader = _GraphReader(tg, modules, marks["forward"])
+    reader = _GraphReader(tg, modules, origins, marks["forward"])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     groups = [("param", trainable, ValueKind.PARAMETER), ("param", frozen, ValueKind.FROZEN),
               ("buffer", buffers, ValueKind.FROZEN)]
@@ -558,6 +826,77 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     tg = run_passes(tg, step_passes(loss_blocks=loss_blocks, donate=donate))
     log.info("traced %d vertices, %d values", len(tg.vertices), len(tg.values))
     return tg
+
+
+_DATA_DEPENDENT_WHY = {  # by op, without its overload
+    "aten::_local_scalar_dense": "reads a tensor's value on the host (.item(), float(), int() or bool() of a "
+                                 "tensor, or an if, while or assert on one)",
+    "aten::nonzero": "makes a tensor whose shape depends on tensor values (nonzero, boolean-mask indexing "
+                     "x[mask])",
+    "aten::masked_select": "makes a tensor whose shape depends on tensor values (masked_select, x[mask])",
+    "aten::_ctc_loss": "is CTC loss, whose output sizes depend on the values of the target lengths",
+}
+
+
+def _data_dependent(err: Exception, origins: _Origins) -> UnsupportedOp:
+    """A data-dependent error raised by torch inside the trace, as a refusal naming the op, the module
+    running and the line that called it (the innermost frame of its traceback outside torch, turnip
+    and the standard library)."""
+    func = getattr(err, "func", None)
+    op = op_name(func) if isinstance(func, torch._ops.OpOverload) else "(a value computed from tensors)"
+    source = _source_line(_user_place(_raised_frames(err)))
+    forward_source = False
+    if origins.failed_in is not None:  # raised while loss_fn ran
+        module, phase = origins.failed_in.module, "forward"
+    else:  # in the backward pass: the module of the forward call whose backward it is
+        last = origins.last_backward()
+        module, phase = (last.module if last is not None else None), "backward"
+        forward_source = source is None and last is not None
+        if forward_source:
+            source = _source_line(last.place)
+    why = _DATA_DEPENDENT_WHY.get(op.partition(".")[0], "has a result or an output shape that depends on tensor "
+                                                         "values")
+    return UnsupportedOp(op, module, f"it {why}, which a static step graph cannot express (it depends on tensor "
+                         f"values): compute with ops whose shapes do not depend on values (torch.where, "
+                         f"multiplying by a mask, clamp), or check the data before the step, not inside it",
+                         module_type=origins.modules.type_name(module), source=source, phase=phase,
+                         forward_source=phase == "backward" and forward_source)
+
+
+def _check_loss(loss, loss_fn) -> None:
+    """loss_fn's result is the loss the step differentiates: a floating-point scalar tensor."""
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
+        return
+    code = getattr(loss_fn, "__code__", None)
+    fn = f" (loss_fn {getattr(loss_fn, '__qualname__', '')} of {code.co_filename}:{code.co_firstlineno})" \
+        if code is not None else ""
+    if not isinstance(loss, torch.Tensor):
+        raise UnsupportedFeature(f"loss_fn returned a {type(loss).__name__}: it must return a floating-point scalar "
+                                 f"tensor, the loss to differentiate{fn}")
+    hint = "" if loss.is_floating_point() else "; an integer tensor has no gradient"
+    if loss.dim() != 0:
+        hint += "; reduce it to one number (.mean() or .sum())"
+    raise UnsupportedFeature(f"loss_fn returned a tensor of dtype {loss.dtype}, shape {tuple(loss.shape)}: it must "
+                             f"return a floating-point scalar{hint}{fn}")
+
+
+def check_clipping(max_grad_norm) -> None:
+    """max_grad_norm is None (no clipping) or a positive finite number: torch's clip_grad_norm_
+    takes any float, but a negative norm flips every gradient, 0 zeroes them and inf clips nothing."""
+    if max_grad_norm is None:
+        return
+    number = isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool)
+    if number and math.isfinite(max_grad_norm) and max_grad_norm > 0:
+        return
+    effect = ""
+    if number and max_grad_norm < 0:
+        effect = " (a negative norm would flip the sign of every gradient)"
+    elif number and max_grad_norm == 0:
+        effect = " (0 would zero every gradient)"
+    elif number and math.isinf(max_grad_norm):
+        effect = " (an infinite norm clips nothing: pass None)"
+    raise ValueError(f"max_grad_norm={max_grad_norm!r}: it must be a positive finite number, the total gradient norm "
+                     f"to clip to as torch.nn.utils.clip_grad_norm_'s max_norm, or None for no clipping{effect}")
 
 
 def _check_forward_only(optimizer, max_grad_norm, steps: int) -> None:
