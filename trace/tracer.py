@@ -263,7 +263,12 @@ def _eager_refusal(func, args, kwargs, tensors: list[torch.Tensor]) -> Exception
     with the dtypes given and, when that raises, once with every floating-point tensor in one dtype:
     only a call that fails the first way and runs the second is refused, so a failure of the
     substitutes themselves (an in-place write into a broadcast zero) is never blamed on the dtypes.
-    Answers are kept per function and dtypes (they do not depend on shapes)."""
+    Answers are kept per function and dtypes (they do not depend on shapes).
+
+    CPU tensors only, for now: on a GPU the substitutes' results would take device memory before
+    the arena is allocated, which no GPU run has measured yet (a mix there traces as before)."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
     try:
         key = (func, tuple((t.dtype, t.device.type) for t in tensors))
         hash(key)
