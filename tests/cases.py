@@ -71,6 +71,22 @@ def eager_steps(model, loss_fn, batches, make_opt, seed: int = 123):
     return losses, model.state_dict()
 
 
+def assert_same_optimizer_state(got: dict, want: dict, exact: bool = True, groups: bool = True):
+    """Torch-format optimizer state dicts equal (bitwise, or within float tolerance), the step count
+    included; with groups, the param_groups too."""
+    if groups:
+        assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for index, state in want["state"].items():
+        assert got["state"][index].keys() == state.keys(), index
+        for key, tensor in state.items():
+            mine, theirs = got["state"][index][key].cpu(), tensor.cpu()
+            if exact:
+                assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), f"state {index} {key}"
+            else:
+                torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
 def assert_same_state(got: dict, want: dict, exact: bool = True, rtol=1e-4, atol=1e-5):
     assert set(got) == set(want), f"state keys differ: {set(got) ^ set(want)}"
     for key in want:

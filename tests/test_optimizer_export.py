@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from cases import assert_same_optimizer_state
 from turnip.bench.models.mlp import MLP
 from turnip.ir.optimizer import CompiledOptimizer
 
@@ -37,16 +38,6 @@ def eager_step(model, opt, batch):
     loss.backward()
     opt.step()
     return loss.detach()
-
-
-def assert_same_optimizer_state(got: dict, want: dict):
-    assert got["param_groups"] == want["param_groups"]
-    assert got["state"].keys() == want["state"].keys()
-    for index, state in want["state"].items():
-        assert got["state"][index].keys() == state.keys(), index
-        for key, tensor in state.items():
-            mine = got["state"][index][key]
-            assert mine.dtype == tensor.dtype and torch.equal(mine, tensor.cpu()), f"state {index} {key}"
 
 
 @pytest.mark.parametrize("budget", [1.0, 0.5])

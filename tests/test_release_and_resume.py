@@ -18,7 +18,7 @@ import copy
 
 import pytest
 import torch
-from cases import assert_same_state
+from cases import assert_same_optimizer_state, assert_same_state
 from test_engine_faults import fail_at
 from turnip.bench.models.mlp import MLP
 from turnip.engine.errors import EngineError, VertexError
@@ -62,17 +62,6 @@ def eager_run(model, batches, make=make_opt):
         losses.append(eager_step(model, opt, b))
         states.append((copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
     return losses, states
-
-
-def assert_same_optimizer_state(got: dict, want: dict):
-    """Torch-format optimizer state dicts equal bitwise (the step count included)."""
-    assert got["param_groups"] == want["param_groups"]
-    assert got["state"].keys() == want["state"].keys()
-    for index, state in want["state"].items():
-        assert got["state"][index].keys() == state.keys(), index
-        for key, tensor in state.items():
-            mine = got["state"][index][key]
-            assert mine.dtype == tensor.dtype and torch.equal(mine, tensor), f"state {index} {key}"
 
 
 def compiled(model, budget):
