@@ -27,7 +27,6 @@ from .loop import Completion, Launch, NotRun, StepToken
 from .runtime import InputBinding, OutputBinding, Runtime
 from ..ir.memgraph import MemGraph
 from ..kernels.launch import PreparedVertex
-from ..kernels.rng import default_generator
 from ..kernels.step_state import RngReplay, StepContext
 
 log = logging.getLogger(__name__)
@@ -115,7 +114,7 @@ class CpuRuntime(Runtime):
         if self._rng is None:  # its scratch buffers are reused by every step
             self._rng = RngReplay(mg.taskgraph, torch.device("cpu"))
         # the draws below move the generator as eager's step would: put back if the step stops
-        self._rng_before = torch.default_generator.get_state() if self._rng.vertices else None
+        self._rng_before = self._rng.checkpoint()
         self._ctx = StepContext(mg.taskgraph, step, torch.device("cpu"), rng=self._rng)
         self._mg, self._leaves, self._outputs = mg, leaves, {}
 
@@ -132,7 +131,7 @@ class CpuRuntime(Runtime):
             if self._token.running:
                 log.warning("a random vertex of the stopped step may still run: the random generator may end "
                             "where that step's draws left it")
-            restore_generator(torch.device("cpu"), self._rng_before)
+            self._rng.restore(self._rng_before)
             self._rng_before = None
         self._forget_step()
 
@@ -189,13 +188,6 @@ class CpuRuntime(Runtime):
     def run_output(self, vid: int, binding: OutputBinding) -> None:
         # a fresh tensor the next step cannot overwrite; dict item assignment is atomic under the GIL
         self._outputs[binding.name] = binding.src.clone()
-
-
-def restore_generator(device: torch.device, state: torch.Tensor) -> None:
-    """Put the device's default generator back to ``state`` (where it was before a stopped step drew).
-    A random vertex of that step still running (one engine.run did not wait for) puts it back to its
-    own saved state when it ends (kernels/rng.py, replay), after this."""
-    default_generator(device).set_state(state)
 
 
 def create_runtime(mg: MemGraph) -> CpuRuntime:

@@ -63,7 +63,6 @@ from .runtime import InputBinding, OutputBinding, Runtime, arena_devices
 from ..ir.budget import format_bytes
 from ..ir.memgraph import MemGraph, Stream
 from ..kernels.launch import PreparedVertex
-from ..kernels.rng import default_generator
 from ..kernels.step_state import RngReplay, StepContext
 from ..kernels.threads import host_threads
 
@@ -127,7 +126,7 @@ class CudaRuntime(Runtime):
         self._host_token = StepToken()
         device = torch.device("cuda", self.devices[0])
         # the step moves the generator as eager's would: put back if the step stops
-        self._rng_before = default_generator(device).get_state() if self.rng.vertices else None
+        self._rng_before = self.rng.checkpoint()
         self._ctx = StepContext(mg.taskgraph, step, device, self.rng)
         self._leaves = leaves
         self.outputs = {}
@@ -171,9 +170,8 @@ class CudaRuntime(Runtime):
     def abort_step(self) -> None:
         """The step stopped (engine.run has cancelled it and waited, as far as it could): forget it,
         and put the random generator back where it was before the step."""
-        if self._rng_before is not None:
-            default_generator(torch.device("cuda", self.devices[0])).set_state(self._rng_before)
-            self._rng_before = None
+        self.rng.restore(self._rng_before)
+        self._rng_before = None
         self._finish()
 
     def cancel_step(self) -> list[int]:

@@ -27,6 +27,17 @@ class RngReplay:
         self._scratch: dict[tuple, torch.Tensor] = {}
         self._advances: list[int] | None = None  # CUDA: offset advance of each random vertex
 
+    def checkpoint(self) -> torch.Tensor | None:
+        """The device generator's state before a step draws (None when the graph draws nothing): what
+        ``restore`` puts back if the step stops."""
+        return default_generator(self.device).get_state() if self.vertices else None
+
+    def restore(self, state: torch.Tensor | None) -> None:
+        """Put the device generator back to a ``checkpoint`` (a random vertex of the stopped step still
+        running puts it back to its own saved state when it ends: kernels/rng.py, replay)."""
+        if state is not None:
+            default_generator(self.device).set_state(state)
+
     def _tensor(self, value_id: int) -> torch.Tensor:
         val = self.taskgraph.values[value_id]
         key = (tuple(val.shape), tuple(val.stride), val.dtype)  # shared: the capture runs one op at a time
