@@ -583,7 +583,7 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
         while scheduler.done < n:
             take_interrupt()
             if scheduler.in_flight == 0:
-                if failure is not None or interrupt is not None:
+                if failure is not None or (interrupt is not None and not finishing):
                     break
                 stuck = scheduler.stuck()
                 raise StallError(f"stall: {len(stuck)} of {scheduler.g.n} vertices can never run "

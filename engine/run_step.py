@@ -16,8 +16,10 @@ and the step can simply be run again. Otherwise the weights are a mix of two ste
 the error says so, and every later run, ``mg.state_dict()`` and ``mg.save()``
 refuse until ``mg.release()`` starts over from ``mg.initial_state``. Units still
 running when engine.run returned are waited for by the next run (at most SETTLE_S
-seconds; then it refuses, naming them). An interrupt that arrives once every unit
-of the step has run does not undo it: the step counts, then KeyboardInterrupt is raised.
+seconds; then it refuses, naming them). A first Ctrl-C that arrives once a vertex
+writing a home has begun does not stop the step (stopping would mix the weights): the
+step runs to its end and counts, then KeyboardInterrupt is raised; so does one that
+arrives once every unit of the step has run.
 """
 
 from __future__ import annotations
