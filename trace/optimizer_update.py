@@ -11,32 +11,24 @@ scalars eager PyTorch passes them.
 from __future__ import annotations
 
 import torch
-from ..ir.optimizer import OptimizerSpec  # re-exported: it moved to ir, where it is saved with the graph
+from ..ir.optimizer import REFUSED_OPTIONS, OptimizerSpec, torch_kind  # OptimizerSpec re-exported: saved in ir
 from ..ir.taskgraph import ScalarRef, TaskGraph, TensorRef
 from ..kernels.ops import op_name
 from .errors import UnsupportedFeature
 
 aten = torch.ops.aten
 
-_DEFAULTS_REFUSED = {  # option -> value we support; anything else is refused by name
-    "amsgrad": False,
-    "maximize": False,
-    "differentiable": False,
-}
-
-
 def spec_from_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
     """Read kind and hyperparameters, refusing what the functional update does not reproduce."""
     cls = type(optimizer)
-    kinds = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
-    if cls not in kinds:
+    kind = torch_kind(optimizer)  # an Adam with decoupled weight decay runs AdamW's update
+    if kind is None:
         raise UnsupportedFeature(f"optimizer {cls.__name__} is not supported (supported: SGD, Adam, AdamW)")
-    kind = kinds[cls]
     groups = []
     steps = set()
     for i, group in enumerate(optimizer.param_groups):
-        for option, supported in _DEFAULTS_REFUSED.items():
-            if option in group and bool(group[option]) != supported:
+        for option in REFUSED_OPTIONS:  # each supported only off
+            if option in group and group[option]:
                 raise UnsupportedFeature(f"{cls.__name__} option {option}={group[option]} (param group {i}) "
                                          f"is not supported")
         hp = {}
@@ -47,8 +39,6 @@ def spec_from_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
                     raise UnsupportedFeature(f"{cls.__name__} option {key} given as a tensor (param group {i}): "
                                              "pass a Python float")
                 hp[key] = tuple(float(b) for b in val) if key == "betas" else val
-        if kind == "adam" and group.get("decoupled_weight_decay", False):
-            kind = "adamw"
         groups.append(hp)
         for p in group["params"]:
             state = optimizer.state.get(p, {})
