@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from ..ir.budget import BudgetError
 from .ablation import main as ablation_main
 from .options import planner_options
 from .results import load_suite_rows, result_path
@@ -39,7 +41,6 @@ from .suite import (
     run_suite,
 )
 from .table import format_newest
-from ..ir.budget import BudgetError
 
 
 def _floats(text: str) -> list[float]:

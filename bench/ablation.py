@@ -25,18 +25,18 @@ import time
 from pathlib import Path
 
 import torch
-from .engine_variants import run_budget, settings
-from ..gpt import GPT, GPTConfig, example_batch, lm_loss
-from .models.sizes import make_workload
-from .results import result_path, run_metadata
+
+from .. import memgraph
 from ..engine.resources import transfer_depth
 from ..engine.timing_sim import simulate
+from ..gpt import GPT, GPTConfig, example_batch, lm_loss
 from ..ir.memgraph import Edge, Kind, MemGraph, Place, Stream
 from ..ir.plan import Plan
 from ..ir.taskgraph import TaskGraph
 from ..planners.costs import CostModel
-
-from .. import memgraph
+from .engine_variants import run_budget, settings
+from .models.sizes import make_workload
+from .results import result_path, run_metadata
 
 log = logging.getLogger(__name__)
 

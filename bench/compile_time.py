@@ -21,11 +21,11 @@ import tempfile
 import time
 
 import torch
-from .results import result_path, run_metadata
-from ..planners.driver import outcome
-from ..planners.solver import join_abandoned
 
 from .. import memgraph
+from ..planners.driver import outcome
+from ..planners.solver import join_abandoned
+from .results import result_path, run_metadata
 
 log = logging.getLogger(__name__)
 

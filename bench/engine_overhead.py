@@ -23,14 +23,14 @@ import time
 from typing import NamedTuple
 
 import torch
-from .results import result_path, run_metadata
+
+from .. import engine, memgraph
 from ..engine.completions import launch_host_func
 from ..engine.cuda import CudaRuntime
 from ..engine.errors import EngineError
 from ..ir.plan import Plan
 from ..ir.taskgraph import TaskGraph, ValueKind
-
-from .. import engine, memgraph
+from .results import result_path, run_metadata
 
 log = logging.getLogger(__name__)
 

@@ -27,15 +27,15 @@ import time
 from pathlib import Path
 
 import torch
+
+from .. import engine, memgraph
+from ..engine.timing_sim import simulate
+from ..planners.costs import default_costs
 from .models.sizes import make_workload
 from .options import planner_options
 from .peers.common import sync, trainable
 from .peers.isolated import resolve
 from .results import result_path, run_metadata
-from ..engine.timing_sim import simulate
-from ..planners.costs import default_costs
-
-from .. import engine, memgraph
 
 log = logging.getLogger(__name__)
 

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from .models.sizes import make_workload
-from .results import result_path, run_metadata
-from ..memgraph.packing import stays
-from ..memgraph.schedule import Schedule
 
 from .. import engine, memgraph
+from ..memgraph.packing import stays
+from ..memgraph.schedule import Schedule
+from .models.sizes import make_workload
+from .results import result_path, run_metadata
 
 log = logging.getLogger(__name__)
 

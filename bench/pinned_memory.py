@@ -35,12 +35,12 @@ import statistics
 from pathlib import Path
 
 import torch
+
+from .. import engine, memgraph
+from ..engine.cuda import CudaRuntime, pinned_bytes, unpin
 from .models.sizes import make_workload
 from .peers.common import device_timed_steps, trainable
 from .results import run_metadata, write_result
-from ..engine.cuda import CudaRuntime, pinned_bytes, unpin
-
-from .. import engine, memgraph
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import torch
+
+from .. import planners
 from ..gpt import GPT, GPTConfig, example_batch, lm_loss
 from ..memgraph import trace
 from ..planners.costs import CostModel
-
-from .. import planners
 
 log = logging.getLogger("turnip.bench.plan_time")
 

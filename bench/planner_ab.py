@@ -17,14 +17,14 @@ import argparse
 import logging
 
 import torch
+
+from .. import memgraph
+from ..engine.timing_sim import simulate, transfer_bytes
+from ..planners.costs import CostModel
 from .models.sizes import make_workload
 from .options import planner_options
 from .peers.common import ab_arguments, run_alternately, trainable
 from .results import run_metadata, write_result
-from ..engine.timing_sim import simulate, transfer_bytes
-from ..planners.costs import CostModel
-
-from .. import memgraph
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import matplotlib
+
 from .results import load_suite_rows
 
 matplotlib.use("Agg")

@@ -17,15 +17,15 @@ import argparse
 import logging
 
 import torch
-from .models.sizes import make_workload
-from .peers.common import ab_arguments, run_alternately, trainable
-from .results import run_metadata, write_result
+
+from .. import memgraph
 from ..engine.timing_sim import simulate, transfer_bytes
 from ..ir.optimizer import CompiledOptimizer
 from ..memgraph.builder import rebuild_ahead
 from ..planners.costs import CostModel
-
-from .. import memgraph
+from .models.sizes import make_workload
+from .peers.common import ab_arguments, run_alternately, trainable
+from .results import run_metadata, write_result
 
 log = logging.getLogger(__name__)
 

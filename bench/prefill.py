@@ -41,6 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .. import engine, memgraph
+from ..engine.timing_sim import time_floor, transfer_bytes
+from ..ir.budget import BudgetError, budget_size, check_budget, format_bytes, parse_budget
+from ..planners.costs import CostModel
 from .memory_audit import frame_of, live_at_peak, recorded
 from .models.llama import LLAMA2_7B
 from .options import planner_options
@@ -49,11 +54,6 @@ from .peers.common import OK, TIMEOUT, release_memory, sync, unavailable
 from .peers.spawned import call_spawned
 from .profile_step import kernel_profile
 from .results import result_path, run_metadata
-from ..engine.timing_sim import time_floor, transfer_bytes
-from ..ir.budget import BudgetError, budget_size, check_budget, format_bytes, parse_budget
-from ..planners.costs import CostModel
-
-from .. import engine, memgraph
 
 log = logging.getLogger(__name__)
 

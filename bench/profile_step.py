@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import torch
-from .models.sizes import make_workload
-from .results import result_path, run_metadata
-from ..ir.memgraph import Kind
 
 from .. import engine, memgraph
+from ..ir.memgraph import Kind
+from .models.sizes import make_workload
+from .results import result_path, run_metadata
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from .models.sizes import make_workload
-from .options import planner_options
-from .peers.common import Workload
-from .peers.isolated import resolve
-from .results import result_path, run_metadata
+
 from ..engine.timing_sim import idle_by_wait, simulate, transfer_bytes
 from ..ir.budget import format_bytes, parse_budget
 from ..ir.plan import Plan
@@ -39,11 +35,16 @@ from ..ir.step_file import load_step, save_step
 from ..memgraph.builder import build, build_walks
 from ..memgraph.compiler import UNBOUNDED, unplanned_peak
 from ..memgraph.remake_offloaded import recompute_evicted
-from ..trace.tracer import trace
 from ..planners.costs import CostModel, DeviceSpec, default_costs
 from ..planners.driver import plan_candidates
 from ..planners.host_update import host_update_candidates
 from ..planners.measure import device_name
+from ..trace.tracer import trace
+from .models.sizes import make_workload
+from .options import planner_options
+from .peers.common import Workload
+from .peers.isolated import resolve
+from .results import result_path, run_metadata
 
 log = logging.getLogger(__name__)
 

@@ -41,6 +41,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+
+from .. import engine, memgraph
+from ..ir.budget import BudgetError, format_bytes
+from ..memgraph.progress import stderr_is_terminal
 from .models.llama import Unavailable
 from .models.sizes import make_workload
 from .options import planner_options
@@ -49,10 +53,6 @@ from .peers.common import INFEASIBLE, OK, describe, is_cuda, is_oom, release_mem
 from .peers.turnip_system import budget_argument
 from .results import result_path, run_metadata
 from .suite import budget_label, parse_budgets
-from ..ir.budget import BudgetError, format_bytes
-from ..memgraph.progress import stderr_is_terminal
-
-from .. import engine, memgraph
 
 try:  # optional: /proc/self/statm gives the same number on Linux
     import psutil

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from ..ir.budget import BudgetError, format_bytes, parse_budget
 from .models.llama import Unavailable
 from .models.sizes import make_workload
 from .peers import CUDA_PEERS, PEERS, TORCH_PEERS
@@ -39,7 +41,6 @@ from .peers.common import EAGER_MATH, NOT_INSTALLED, OK, TIMEOUT, PeerResult, Wo
 from .peers.isolated import WorkloadSpec, resolve, run_isolated, write_snapshot
 from .results import run_metadata
 from .trace_waits import explain_gaps, load_units, simulated_beside, summarize
-from ..ir.budget import BudgetError, format_bytes, parse_budget
 
 log = logging.getLogger(__name__)
 

@@ -38,6 +38,7 @@ import queue
 import time
 
 import torch
+
 from .errors import EngineError
 from .loop import Completion
 

@@ -23,11 +23,12 @@ import time
 import weakref
 
 import torch
-from .loop import Completion, Launch, NotRun, StepToken
-from .runtime import InputBinding, OutputBinding, Runtime
+
 from ..ir.memgraph import MemGraph
 from ..kernels.launch import PreparedVertex
 from ..kernels.step_state import RngReplay, StepContext
+from .loop import Completion, Launch, NotRun, StepToken
+from .runtime import InputBinding, OutputBinding, Runtime
 
 log = logging.getLogger(__name__)
 

@@ -45,6 +45,12 @@ import mmap
 import time
 
 import torch
+
+from ..ir.budget import format_bytes
+from ..ir.memgraph import MemGraph, Stream
+from ..kernels.launch import PreparedVertex
+from ..kernels.step_state import RngReplay, StepContext
+from ..kernels.threads import host_threads
 from .completions import (
     CallbackCompletions,
     EventCompletions,
@@ -60,11 +66,6 @@ from .host_memory import describe_host, host_memory
 from .loop import POLL_S, Launch, NotRun, StepToken
 from .resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD
 from .runtime import InputBinding, OutputBinding, Runtime, arena_devices
-from ..ir.budget import format_bytes
-from ..ir.memgraph import MemGraph, Stream
-from ..kernels.launch import PreparedVertex
-from ..kernels.step_state import RngReplay, StepContext
-from ..kernels.threads import host_threads
 
 log = logging.getLogger(__name__)
 

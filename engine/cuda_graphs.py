@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable, Mapping
 
 import torch
+
 from ..ir.memgraph import MemGraph
 from ..kernels.capture import captured
 from ..kernels.launch import scalar_names

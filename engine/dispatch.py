@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .errors import EngineError
 from ..ir.describe import format_vertex
 from ..ir.memgraph import Kind, MemGraph, MVertex, Place
+from .errors import EngineError
 
 HOOKS: dict[Kind, str] = {
     Kind.COMPUTE: "compute",

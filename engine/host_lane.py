@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable
 
 import torch
+
 from ..kernels.threads import kernel_threads
 
 

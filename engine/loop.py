@@ -46,10 +46,10 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Self
 
-from .errors import ResourceError, StallError, VertexError
-from .resources import WORKSPACE, StreamPool, WorkspacePool
 from ..ir.describe import describe_vertex, format_info, format_vertex
 from ..ir.memgraph import MemGraph, Stream
+from .errors import ResourceError, StallError, VertexError
+from .resources import WORKSPACE, StreamPool, WorkspacePool
 
 log = logging.getLogger(__name__)
 

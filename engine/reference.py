@@ -6,6 +6,7 @@ The oracle for every later stage: same kernels, same order as eager PyTorch.
 from __future__ import annotations
 
 import torch
+
 from ..ir.batch import check_batch
 from ..ir.taskgraph import TaskGraph, TensorRef
 from ..kernels.launch import run_vertex

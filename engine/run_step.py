@@ -31,15 +31,16 @@ import warnings
 from pathlib import Path
 
 import torch
-from .timeline import write_timeline
+
+from ..ir.batch import check_batch
+from ..ir.memgraph import MemGraph, Stream
+from ..ir.optimizer import mark_stepped
 from .completions import completion_mode
-from .errors import BatchError, EngineError
+from .errors import EngineError
 from .loop import Interrupts, Record, Scheduler, drive
 from .policy import Policy, make_policy
 from .resources import StreamPool, WorkspacePool, stream_counts, transfer_depth
-from ..ir.memgraph import MemGraph, Stream
-from ..ir.optimizer import mark_stepped
-from ..ir.batch import check_batch
+from .timeline import write_timeline
 
 log = logging.getLogger(__name__)
 

@@ -32,13 +32,14 @@ import threading
 from typing import NamedTuple
 
 import torch
-from .dispatch import input_place, output_place, per_vertex, transfer_pairs
-from .errors import EngineError
-from .loop import StaticGraph
+
 from ..ir.describe import format_vertex
 from ..ir.memgraph import MemGraph, MVertex, Place
 from ..kernels.launch import PreparedVertex
 from ..kernels.views import ref_view, typed_view
+from .dispatch import input_place, output_place, per_vertex, transfer_pairs
+from .errors import EngineError
+from .loop import StaticGraph
 
 log = logging.getLogger(__name__)
 

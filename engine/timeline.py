@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .loop import Record, StaticGraph
 from ..ir.describe import short_name
 from ..ir.memgraph import Kind, MemGraph
+from .loop import Record, StaticGraph
 
 _LANE_ORDER = {"compute": 0, "h2d": 1, "d2h": 2}
 

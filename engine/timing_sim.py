@@ -70,16 +70,17 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from .timeline import write_timeline
+
+from ..ir.costs import CostModel, FixedRates
+from ..ir.memgraph import Kind, MemGraph, MVertex, Stream
+from ..ir.optimizer import update_elements
 from .dispatch import per_vertex
 from .errors import StallError
 from .loop import Record, Scheduler, StaticGraph
 from .policy import Policy, make_policy
 from .resources import CUDA_LAUNCH_AHEAD, StreamPool, WorkspacePool, stream_counts, transfer_depth
 from .runtime import arena_devices, workspace_capacity
-from ..ir.costs import CostModel, FixedRates
-from ..ir.memgraph import Kind, MemGraph, MVertex, Stream
-from ..ir.optimizer import update_elements
+from .timeline import write_timeline
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ class Budget:
     what: str = "budget"
 
     @classmethod
-    def read(cls, budget: float | str | int | None, what: str = "budget",
+    def read(cls, budget: float | str | Budget | None, what: str = "budget",
              unplanned_peak: int | None = None) -> Budget:
         """The budget in one of the module docstring's forms; raises BudgetError (a ValueError) for
         anything else, naming the argument (``what``), what was given and the accepted forms;

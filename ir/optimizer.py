@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from .taskgraph import TensorRef
 
 # hyperparameters a step reads as host scalars, so an LR scheduler (or a user) may change them between

@@ -12,7 +12,6 @@ on a plan that homes every weight on the CPU (tests/test_budget_parsing.py pins 
 from __future__ import annotations
 
 
-
 def aligned(nbytes: int, alignment: int) -> int:
     """``nbytes`` rounded up to a multiple of ``alignment``, at least one unit."""
     alignment = max(1, int(alignment))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+
 from ..ir.taskgraph import ScalarRef, TensorRef, Vertex
 from .ops import UNINITIALIZED, flatten_returns, out_variant, resolve_op
 from .rng import replay

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from ..ir.taskgraph import TaskGraph, TensorRef, Vertex
 from .launch import Resolve, run_vertex
 from .rng import default_generator

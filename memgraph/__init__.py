@@ -7,16 +7,16 @@
     print(mg); print(memgraph.dump(mg))                         # one line; the vertices
 """
 
+from ..engine.reference import ReferenceExecutor
 from ..ir.describe import dump
 from ..ir.errors import InfeasibleBudget
 from ..ir.memgraph import MemGraph, load
 from ..ir.taskgraph import TaskGraph
-from .builder import build
-from .compiler import compile
 from ..trace.errors import UnsupportedFeature, UnsupportedOp
-from ..engine.reference import ReferenceExecutor
 from ..trace.tracer import trace
+from .builder import build
 from .checker import verify
+from .compiler import compile
 
 __all__ = ["InfeasibleBudget", "MemGraph", "ReferenceExecutor", "TaskGraph", "UnsupportedFeature", "UnsupportedOp",
            "build", "compile", "dump", "load", "trace", "verify"]

@@ -9,6 +9,7 @@ import sys
 import time
 
 import torch
+
 from ..engine.host_memory import describe_host, pinnable_bytes
 from ..engine.timing_sim import simulate
 from ..ir.budget import Budget, format_bytes
@@ -17,19 +18,19 @@ from ..ir.memgraph import MemGraph
 from ..ir.optimizer import CompiledOptimizer
 from ..ir.plan import Plan
 from ..ir.taskgraph import TaskGraph
-from .builder import build, build_walks
-from .progress import Phases, stderr_is_terminal
-from .remake_offloaded import recompute_evicted
-from .report import compile_report
-from ..trace.passes import DONATE, run_passes
-from ..trace.split_loss import split_loss_head
-from ..trace.tracer import check_clipping, target_device, trace
 from ..planners.cache import CachedPlan, PlanCache, plan_key
 from ..planners.costs import default_costs
 from ..planners.driver import check_options, plan_candidates, run_plan, smallest_budget
 from ..planners.host_update import check_mode as check_host_update
 from ..planners.host_update import fused_updates, host_update_candidates
 from ..planners.measure import device_name
+from ..trace.passes import DONATE, run_passes
+from ..trace.split_loss import split_loss_head
+from ..trace.tracer import check_clipping, target_device, trace
+from .builder import build, build_walks
+from .progress import Phases, stderr_is_terminal
+from .remake_offloaded import recompute_evicted
+from .report import compile_report
 
 UNBOUNDED = 1 << 62  # a budget nothing ever exceeds
 GIB = 1 << 30

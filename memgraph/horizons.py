@@ -33,8 +33,8 @@ from ..ir.plan import Plan
 from ..ir.sizes import arena_capacity
 from ..ir.taskgraph import TaskGraph, ValueKind
 from .alloc import START, RangeAllocator, Tenancy, wait_for
-from .packing import pack, stays
 from .implied_edges import reduce_memory_edges
+from .packing import pack, stays
 from .schedule import OUT, TASK, WB, Schedule
 
 UNBOUNDED = 1 << 60  # pinned CPU storage limit when the plan sets none

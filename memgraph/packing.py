@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from ..ir.taskgraph import TaskGraph, ValueKind
 from .schedule import Schedule
 

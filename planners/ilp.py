@@ -33,6 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from .memory import TIE_BREAK, item_seconds, option_seconds
 from .model import KEEP, OFFLOAD, RECOMPUTE, Problem
 

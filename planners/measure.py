@@ -14,6 +14,7 @@ import threading
 import time
 
 import torch
+
 from ..ir.taskgraph import TaskGraph, TensorRef, Vertex
 from ..kernels.capture import captured
 from ..kernels.launch import PreparedVertex

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from .model import KEEP, OFFLOAD, RECOMPUTE, Problem
 
 # Transfers, recomputation and launches hidden under compute still use the link, the GPU and

@@ -41,6 +41,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from ..ir.taskgraph import TaskGraph
 
 log = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ import math
 from collections import Counter
 
 import numpy as np
+
 from ..ir.sizes import aligned, arena_capacity
 from ..ir.taskgraph import TaskGraph, ValueKind
 from .model import KEEP, OFFLOAD, RECOMPUTE, Group, Item, Option, Problem, make_windows, step_order

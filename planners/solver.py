@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 import pulp
+
 from .ilp import Formulation
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,9 @@ import copy
 
 import pytest
 import torch
-from turnip import gpt
 from turnip.bench.models import mlp
+
+from turnip import gpt
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, dampening=0.1),

@@ -8,11 +8,10 @@ import copy
 import pytest
 import torch
 from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
-from turnip import gpt
 from turnip.bench.models import mlp
 from turnip.engine import BatchError
 
-from turnip import engine, memgraph
+from turnip import engine, gpt, memgraph
 
 K = 4  # micro-batches per step
 STEPS = 3

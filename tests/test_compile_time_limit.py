@@ -11,7 +11,6 @@ import time
 import highspy
 import pytest
 import torch
-from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
 from turnip.memgraph import trace
 from turnip.planners import driver
 from turnip.planners import solver as solver_mod
@@ -27,6 +26,8 @@ from turnip.planners.driver import (
 )
 from turnip.planners.ilp import formulate
 from turnip.planners.solver import DEADLINE_PASSED, SolveResult, deadline, solve
+
+from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from cases import OPTIMIZERS, assert_same_state, eager_steps, trainable
 from turnip.ir.plan import Plan
 from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph.builder import build
-from turnip.trace.cat_in_place import NEAR, write_concats_in_place
 from turnip.trace import passes as trace_passes
+from turnip.trace.cat_in_place import NEAR, write_concats_in_place
 from turnip.trace.tracer import trace
 
 from turnip import engine, memgraph

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
 from turnip.ir.costs import CostModel as Interface
 from turnip.ir.costs import FixedRates
 from turnip.ir.taskgraph import TaskGraph, ValueKind
@@ -14,6 +13,8 @@ from turnip.memgraph import trace
 from turnip.planners import costs as costs_mod
 from turnip.planners import measure as measure_mod
 from turnip.planners.costs import H100, CostCache, CostModel, DeviceSpec, analytic_time, signature
+
+from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -15,8 +15,8 @@ from turnip.ir.plan import CPU, Plan
 from turnip.ir.taskgraph import ValueKind
 from turnip.kernels.threads import host_threads
 from turnip.memgraph.builder import build
-from turnip.memgraph.report import plan_mix
 from turnip.memgraph.checker import verify
+from turnip.memgraph.report import plan_mix
 from turnip.planners.host_update import fused_updates, host_update_candidates, with_host_updates
 
 from turnip import engine, memgraph

@@ -12,10 +12,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from turnip import gpt
 from turnip.bench.models import mlp
 
-from turnip import engine, memgraph
+from turnip import engine, gpt, memgraph
 
 LOSSES = {
     "mse": F.mse_loss,

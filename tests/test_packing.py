@@ -8,10 +8,10 @@ import random
 import pytest
 from synthetic import chain_of_blocks, random_taskgraph
 from turnip.ir.plan import Plan
+from turnip.ir.sizes import aligned
 from turnip.memgraph import build, verify
 from turnip.memgraph.builder import build_walks
 from turnip.memgraph.packing import Stay, pack, stays
-from turnip.ir.sizes import aligned
 from turnip.memgraph.schedule import Schedule
 
 UNBOUNDED = 1 << 62

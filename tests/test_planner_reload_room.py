@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
-from turnip import gpt
 from turnip.planners.model import OFFLOAD
 from turnip.planners.problem import build_problem
 from turnip.trace.tracer import trace
+
+from turnip import gpt
 
 
 def _byte_positions(option) -> int:

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from synthetic import random_taskgraph
-from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
 from turnip.ir.taskgraph import TaskGraph, ValueKind
 from turnip.memgraph import trace
 from turnip.planners.costs import CostModel, DeviceSpec
@@ -26,6 +25,7 @@ from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, step_order
 from turnip.planners.solver import solve
 
 from turnip import memgraph, planners
+from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
 
 SLOW_LINK = DeviceSpec(name="slow link", h2d=2e6, d2h=2e6)  # transfers cost about as much as compute
 

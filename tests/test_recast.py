@@ -10,8 +10,8 @@ from turnip.ir.memgraph import Kind
 from turnip.ir.optimizer import CompiledOptimizer
 from turnip.ir.taskgraph import ValueKind
 from turnip.memgraph.builder import build
-from turnip.memgraph.remake_offloaded import recompute_evicted
 from turnip.memgraph.checker import verify
+from turnip.memgraph.remake_offloaded import recompute_evicted
 from turnip.planners.costs import default_costs
 
 from turnip import engine, memgraph

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import bf16_autocast
-from turnip import gpt
 from turnip.bench.models import mlp
 from turnip.ir.plan import Plan
 from turnip.kernels.ops import out_variant, resolve_op
 from turnip.memgraph.builder import build
-from turnip.trace.donate import ALIASABLE, donate_dying_inputs
 from turnip.planners.memory import Decisions, evaluate
 from turnip.planners.problem import build_problem
+from turnip.trace.donate import ALIASABLE, donate_dying_inputs
 from turnip.trace.tracer import trace
 
+from turnip import gpt
 
 aten = torch.ops.aten
 

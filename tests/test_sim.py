@@ -311,8 +311,9 @@ def test_costs_mapping_overrides_and_trace_file(tmp_path):
 
 @pytest.fixture(scope="module")
 def gpt_memgraph():
-    from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
     from turnip.planners.costs import CostModel
+
+    from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=64, seq=32, d_model=64, n_layers=3, n_heads=4)
@@ -438,7 +439,7 @@ BEFORE_HOST_TIME = {
 }
 
 
-def HostCostModel():  # noqa: N802 - reads like the class it stands for
+def host_costs() -> FixedRates:
     """A cost model that knows only a host cost (its compute times come from the TaskGraph)."""
     return FixedRates(h2d_bandwidth=BW, d2h_bandwidth=BW, host_per_vertex=1 * MS)
 
@@ -454,7 +455,7 @@ def test_no_host_cost_is_the_simulator_before_it(seed):
         noisy = {"jitter": 0.2} if ordering == "random" else {}
         kw = {"seed": seed, "launch_ahead": launch_ahead, "ordering": ordering, "streams": streams, **noisy}
         default = simulate(mg, bandwidth=BW, **kw, transfer_ahead=0)  # no cost model: no host cost
-        zero = simulate(mg, HostCostModel(), **kw, host_per_vertex=0, transfer_ahead=0)  # an explicit 0 beats the model's
+        zero = simulate(mg, host_costs(), **kw, host_per_vertex=0, transfer_ahead=0)  # an explicit 0 beats the model's
         for res in (default, zero):
             # the sum of start times may differ from the recorded one in its last bit with the summation
             # order of the platform's float library; the timeline itself is compared exactly below
@@ -466,8 +467,8 @@ def test_no_host_cost_is_the_simulator_before_it(seed):
 
 def test_host_cost_defaults_to_the_cost_model():
     mg = chain(3, 1)
-    assert simulate(mg, HostCostModel()).host_per_vertex == 1 * MS  # the same on every backend
-    assert simulate(mg, HostCostModel()).step_time == pytest.approx(3 * MS + 1 * MS)
+    assert simulate(mg, host_costs()).host_per_vertex == 1 * MS  # the same on every backend
+    assert simulate(mg, host_costs()).step_time == pytest.approx(3 * MS + 1 * MS)
     assert simulate(mg, {0: 1 * MS}).host_per_vertex == 0  # a mapping of durations has none
 
     class PerBackend(FixedRates):

@@ -21,6 +21,7 @@ l1 + l2 + ... + lk added in order: the loss whose gradient the update applies (w
 from __future__ import annotations
 
 import torch
+
 from .errors import UnsupportedFeature
 
 

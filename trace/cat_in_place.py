@@ -23,6 +23,7 @@ import dataclasses
 import logging
 
 import torch
+
 from ..ir.taskgraph import TaskGraph, TensorRef, Value, ValueKind, Vertex, drop_unproduced
 from ..kernels.ops import op_name, out_variant
 from .donate import ALIASABLE

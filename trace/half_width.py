@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 
 import torch
+
 from ..ir.taskgraph import TaskGraph, TensorRef, ValueKind, map_refs
 
 log = logging.getLogger(__name__)

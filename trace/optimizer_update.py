@@ -11,6 +11,7 @@ scalars eager PyTorch passes them.
 from __future__ import annotations
 
 import torch
+
 from ..ir.optimizer import REFUSED_OPTIONS, OptimizerSpec, torch_kind  # OptimizerSpec re-exported: saved in ir
 from ..ir.taskgraph import ScalarRef, TaskGraph, TensorRef
 from ..kernels.ops import op_name
@@ -28,7 +29,7 @@ def spec_from_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
     steps = set()
     for i, group in enumerate(optimizer.param_groups):
         for option in REFUSED_OPTIONS:  # each supported only off
-            if option in group and group[option]:
+            if group.get(option):
                 raise UnsupportedFeature(f"{cls.__name__} option {option}={group[option]} (param group {i}) "
                                          f"is not supported")
         hp = {}

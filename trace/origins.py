@@ -23,6 +23,7 @@ import torch.fx.experimental.symbolic_shapes
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode
 from torch.overrides import TorchFunctionMode
+
 from ..kernels.ops import op_name
 from .errors import EagerRefusal, SourceLine, UnsupportedOp
 

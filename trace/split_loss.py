@@ -30,6 +30,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
 from ..ir.taskgraph import TaskGraph, TensorRef, Vertex, drop_unproduced
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+
 from ..ir.optimizer import state_value_name
 from ..ir.taskgraph import (
     TaskGraph,
@@ -42,7 +43,16 @@ from .accumulate import accumulate, check_steps, loss_outputs, micro_prefix, spl
 from .constant_checks import eager_answers
 from .errors import UnsupportedFeature, UnsupportedOp
 from .optimizer_update import UpdateEmitter, initial_states, spec_from_optimizer
-from .origins import DATA_DEPENDENT, Origin, Origins, data_dependent_refusal, live_frames, node_count, source_line, user_place
+from .origins import (
+    DATA_DEPENDENT,
+    Origin,
+    Origins,
+    data_dependent_refusal,
+    live_frames,
+    node_count,
+    source_line,
+    user_place,
+)
 from .passes import run_passes, step_passes
 
 log = logging.getLogger(__name__)

@@ -14,9 +14,10 @@ from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
+
 from ...gpt import GPT, GPTConfig, example_batch
-from .llama import llama_workload, lora_workload
 from ..peers.common import OptimizerSpec, Workload, parameter_count
+from .llama import llama_workload, lora_workload
 
 VOCAB, SEQ = 50304, 1024
 GPT_SIZES = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
 from . import eager
 from .common import PeerResult, Workload
 

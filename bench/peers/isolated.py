@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
 from ..models.llama import Unavailable
 from ..models.sizes import make_workload
 from . import PEERS, turnip_system

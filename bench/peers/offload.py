@@ -13,6 +13,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+
 from . import eager
 from .checkpoint import checkpoint_blocks
 from .common import PeerResult, Workload

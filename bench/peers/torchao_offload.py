@@ -14,6 +14,7 @@ run, so each configuration must run in a process of its own (the suite's isolati
 from __future__ import annotations
 
 import torch
+
 from . import eager
 from .checkpoint import checkpoint_blocks
 from .common import EAGER_MATH, OK, PeerResult, Workload, trainable_bytes, unavailable

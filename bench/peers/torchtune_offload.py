@@ -12,6 +12,7 @@ site directory of its own (``--site torchtune=/tmp/site_tt``, see bench/README.m
 from __future__ import annotations
 
 from torch import nn
+
 from . import eager
 from .checkpoint import checkpoint_blocks
 from .common import EAGER_MATH, PeerResult, Workload, unavailable

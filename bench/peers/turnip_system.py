@@ -14,6 +14,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ... import engine, memgraph
+from ...engine.timing_sim import simulate, time_floor, transfer_bytes
+from ...ir.memgraph import Kind
+from ...memgraph.report import plan_mix
+from ...planners.costs import CostModel
 from .common import (
     EAGER_MATH,
     INFEASIBLE,
@@ -25,12 +30,6 @@ from .common import (
     timed_steps,
     trainable,
 )
-from ...engine.timing_sim import simulate, time_floor, transfer_bytes
-from ...ir.memgraph import Kind
-from ...memgraph.report import plan_mix
-from ...planners.costs import CostModel
-
-from ... import engine, memgraph
 
 log = logging.getLogger(__name__)
 

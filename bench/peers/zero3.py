@@ -13,6 +13,7 @@ ZeRO-3 integration does that). deepspeed is imported by the callers (it is optio
 from __future__ import annotations
 
 from torch import nn
+
 from .zero_offload import single_process_env
 
 

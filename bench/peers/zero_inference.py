@@ -18,6 +18,7 @@ import time
 
 import torch
 from torch import nn
+
 from .zero3 import parameter_bytes, partition_to_host, start_single_process
 
 log = logging.getLogger(__name__)

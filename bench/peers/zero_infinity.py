@@ -17,6 +17,7 @@ import logging
 import time
 
 import torch
+
 from .checkpoint import checkpoint_blocks
 from .common import (
     EAGER_MATH,

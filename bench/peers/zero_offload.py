@@ -23,6 +23,7 @@ import socket
 import time
 
 import torch
+
 from .checkpoint import checkpoint_blocks
 from .common import (
     BF16_WEIGHTS,
