@@ -100,8 +100,7 @@ def pinned_held(mg, device) -> tuple[int, int]:
     included. Both 0 on the CPU backend, whose storage is ordinary host memory."""
     if not is_cuda(device):
         return 0, 0
-    runtime = getattr(mg, "runtime", None)
-    storage = getattr(runtime, "storage", None)
+    storage = mg.runtime.storage if mg.runtime is not None else None
     registered = 0
     if storage is not None and storage.numel() and storage.is_pinned():
         registered = storage.numel() * storage.element_size()

@@ -97,7 +97,6 @@ class CpuRuntime(Runtime):
         self._rng = None
         self._token = StepToken()  # the current (or last) step's units on the lanes
         self._rng_before: torch.Tensor | None = None  # the generator's state before the step's draws
-        self.unsettled: str | None = None  # set by engine.run: a stopped step left units running
         super().__init__(mg)
         self._finalizer = weakref.finalize(self, _stop_lanes, self._lanes)
 

@@ -109,8 +109,6 @@ class CudaRuntime(Runtime):
         self._started: list[int] = []  # this step's units handed to a GPU stream (their work may run)
         self._host_token = StepToken()  # this step's host-lane units
         self._rng_before: torch.Tensor | None = None  # the generator's state before the step moved it
-        self.interrupts = None  # set per step by engine.run (loop.Interrupts): end_step's wait looks at it
-        self.unsettled: str | None = None  # set by engine.run: a stopped step left work on the streams
         torch.cuda.synchronize()  # the initial state was written on the default stream
 
     def _allocate(self, mg: MemGraph) -> None:

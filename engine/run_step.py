@@ -135,7 +135,7 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", timeli
                 completions = runtime.completion_source()
                 notify = completions.put
                 drive(mg, scheduler, lambda item: runtime.launch(item, notify), completions, records,
-                      interrupts=interrupts, stop=getattr(runtime, "cancel_step", None),
+                      interrupts=interrupts, stop=runtime.cancel_step,
                       finish=lambda: bool(runtime.home_writers.intersection(scheduler.launch_order)))
                 outputs = runtime.end_step()
                 # the step counter moves only when the step completed, so a stopped step can be rerun
@@ -179,7 +179,7 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", timeli
 def settle(runtime) -> None:
     """Before a step: wait (at most SETTLE_S) for units an earlier stopped step left running; refuse
     if they still run, since the new step would share the arena with them."""
-    unsettled = getattr(runtime, "unsettled", None)
+    unsettled = runtime.unsettled
     if unsettled is None:
         return
     if not runtime.quiesce(SETTLE_S):
@@ -196,16 +196,13 @@ def stopped(mg: MemGraph, runtime, scheduler: Scheduler, exc: BaseException, ste
     vertex writing a home had started (``runtime.mixed``), units still running (``runtime.unsettled``)."""
     exc.add_note(f"step {step}, ordering {policy!r}")  # a failing random order can be replayed by seed
     what = ("failed" if isinstance(exc, Exception) else f"was interrupted ({type(exc).__name__})")
-    cancel = getattr(runtime, "cancel_step", None)
-    started = cancel() if cancel is not None else None  # units that ran or run; None: assume all launched
+    started = runtime.cancel_step()  # units that ran or run; None: assume all launched
     idle, device_error = True, None
-    quiesce = getattr(runtime, "quiesce", None)
-    if quiesce is not None:
-        timeout = 0.0 if interrupts.hard else max(0.0, interrupts.drain_deadline() - time.monotonic())
-        try:
-            idle = quiesce(timeout)
-        except Exception as err:  # noqa: BLE001 - the device failed (a CUDA error): nothing of it can be trusted
-            idle, device_error = False, err
+    timeout = 0.0 if interrupts.hard else max(0.0, interrupts.drain_deadline() - time.monotonic())
+    try:
+        idle = runtime.quiesce(timeout)
+    except Exception as err:  # noqa: BLE001 - the device failed (a CUDA error): nothing of it can be trusted
+        idle, device_error = False, err
     if started is None:
         ran = set(scheduler.launch_order)
     else:

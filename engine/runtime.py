@@ -117,6 +117,8 @@ class Runtime:
         home_places = set(mg.homes.values())
         self.home_writers = frozenset(mv.id for mv in mg.vertices if any(p in home_places for p in mv.writes.values()))
         self.mixed: str | None = None  # why the weights are a mix of two steps, after such a failure
+        self.unsettled: str | None = None  # set by engine.run: a stopped step left units running
+        self.interrupts = None  # set per step by engine.run (loop.Interrupts), for a backend's own waits
         self._allocate(mg)
         self._write_initial_state(mg)
 
@@ -297,6 +299,15 @@ class Runtime:
 
     def abort_step(self) -> None:
         pass
+
+    def cancel_step(self) -> list[int] | None:
+        """Start no other unit of the step; return the units that began (ran, or run now). None: the
+        backend cannot tell, and every unit launched counts as begun."""
+        return None
+
+    def quiesce(self, timeout: float | None) -> bool:
+        """Wait until no unit of the last step runs, at most ``timeout`` seconds; True if none does."""
+        return True
 
     def close(self) -> None:
         """Drop every reference to the arena and storage so their memory is freed now."""
