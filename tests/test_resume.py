@@ -25,7 +25,7 @@ CASES = {  # name -> (optimizer factory, fused_optimizer)
     "sgd": (OPTIMIZERS["sgd"], None),  # momentum 0.9 with dampening: the first-step rule differs from later steps
     "adam": (OPTIMIZERS["adam"], None),
     "adamw": (OPTIMIZERS["adamw"], None),
-    # the fused kernels read the step count from a device tensor (trace._step_counter), not the host scalars
+    # the fused kernels read the step count from a device tensor (trace/optimizer_update.py, _step_counter), not the host scalars
     "adamw_fused": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True), True),
 }
 
