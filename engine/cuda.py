@@ -102,7 +102,15 @@ class CudaRuntime(Runtime):
         self._ctx = None
         self._leaves = None
         self._current: torch.cuda.Stream | None = None
+        # a transfer unit -> the device it copies from. torch copies between GPUs on the source device's
+        # current stream, fenced both ways against the destination's (ATen's Copy.cu): each device gets
+        # a stream of its own for outgoing copies, so they wait neither for nor behind its kernels
+        self.transfer_from = {u: next(p.device for vid in graph.units[u] for p in mg.vertices[vid].reads.values()
+                                      if p.where == "gpu" and p.device != graph.device[u])
+                              for u in range(n) if graph.keys[graph.key_of[u]][0] is Stream.D2D}
+        self._outgoing: dict[int, torch.cuda.Stream] = {}
         self._caller_stream: torch.cuda.Stream | None = None
+        self._caller_streams: list[torch.cuda.Stream] = []
         self._batch_ready = torch.cuda.Event()
         self._timers: list | None = None  # (start, end) timing events per vertex, made on the first traced step
         self._origin = None
@@ -136,6 +144,8 @@ class CudaRuntime(Runtime):
         self._record_every = self.completion == "events"
         self._shared_keys = [n > 1 for n in self.stream_sizes]  # read only when not _record_every
         self._caller_stream = self._current = torch.cuda.current_stream()
+        # launches make the lanes' streams current on their devices: each device gets its own back at the end
+        self._caller_streams = [torch.cuda.current_stream(torch.device("cuda", d)) for d in self.devices]
         self._batch_ready.record()  # the batch may come from work queued on the caller's stream
         if self.timing and self._timers is None:
             self._timers = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -147,7 +157,9 @@ class CudaRuntime(Runtime):
 
     def _finish(self) -> None:
         if self._caller_stream is not None:
-            torch.cuda.set_stream(self._caller_stream)
+            for caller in self._caller_streams:
+                torch.cuda.set_stream(caller)
+            torch.cuda.set_stream(self._caller_stream)  # and the caller's device current again
         self._ctx = self._leaves = self._caller_stream = self._current = None
 
     def end_step(self) -> dict:
@@ -281,6 +293,13 @@ class CudaRuntime(Runtime):
         for p in self.preds[unit]:
             if not finished[p] and lane_of[p] is not lane:
                 stream.wait_event(events[p])
+        source = self.transfer_from.get(unit)
+        if source is not None:
+            outgoing = self._outgoing.get(source)
+            if outgoing is None:
+                outgoing = self._outgoing[source] = torch.cuda.Stream(device=torch.device("cuda", source))
+            torch.cuda.set_stream(outgoing)
+            self._current = outgoing
         if self._current is not stream:  # cheaper than a stream context per launch
             torch.cuda.set_stream(stream)
             self._current = stream

@@ -39,9 +39,10 @@ WORKSPACE = "workspace"  # the name StaticGraph.needs gives the WorkspacePool
 # the copies run strictly in the order the loop queued them, measured slower on the same MemGraph,
 # 217.9 ms against 212.2 (bench/results/h100/engine_variants_gpt1.3b_streams.json, simulated 211.9 and 201.0).
 # One host lane: a CPU optimizer update already spreads over every core (torch's intra-op threads).
+# One lane per device for copies from other devices' arenas (Stream.D2D, several devices only).
 DEFAULT_STREAMS = {
-    "cpu": {Stream.COMPUTE: 2, Stream.H2D: 1, Stream.D2H: 1, Stream.HOST: 1},
-    "cuda": {Stream.COMPUTE: 1, Stream.H2D: 2, Stream.D2H: 2, Stream.HOST: 1},
+    "cpu": {Stream.COMPUTE: 2, Stream.H2D: 1, Stream.D2H: 1, Stream.HOST: 1, Stream.D2D: 1},
+    "cuda": {Stream.COMPUTE: 1, Stream.H2D: 2, Stream.D2H: 2, Stream.HOST: 1, Stream.D2D: 1},
 }
 
 

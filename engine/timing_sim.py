@@ -215,6 +215,8 @@ class _Durations:
         tv = tg.vertices[mv.task_vertex]
         if mv.stream is Stream.HOST:  # the host's cores, not the GPU: the op's GPU time says nothing
             return update_elements(tv) / self.model.host_update_rate
+        if mv.stream is Stream.D2D:  # a copy from another device: the link between them, not this one's HBM
+            return sum(p.nbytes for p in mv.writes.values()) / self.model.d2d_bandwidth
         t = float(tv.time)
         if t <= 0:
             t = float(self.model.estimate(tg, tv)[0])
@@ -338,7 +340,7 @@ class _Sim:
         lane = self.lanes.get((key, inst))
         if lane is None:
             stream, dev = self.g.keys[key]
-            pool_name = stream.value if (self.duplex or stream in (Stream.COMPUTE, Stream.HOST)) else "link"
+            pool_name = stream.value if (self.duplex or stream in (Stream.COMPUTE, Stream.HOST, Stream.D2D)) else "link"
             name = f"{stream.value} {inst}" + (f" @{dev}" if dev else "")
             depth = {Stream.COMPUTE: self.depth, Stream.HOST: 0}.get(stream, self.transfer_depth)
             lane = _Lane(name, (pool_name, dev), depth)

@@ -63,6 +63,8 @@ def check_batch(tg, batch) -> list[torch.Tensor]:
     of the same shapes and dtypes on a device the step reads (its own; on CUDA host memory too), and
     non-tensor leaves (compile-time constants) equal. A step that accumulates gradients over k
     micro-batches (``tg.accumulation_steps``) takes a list or tuple of k batches, each checked so. Raises BatchError, one line naming the input, otherwise."""
+    if tg.devices > 1:
+        return _check_devices(tg, batch)
     steps = tg.accumulation_steps
     if steps == 1:
         return _check_one(tg, tg.batch_inputs, batch, "")
@@ -77,6 +79,49 @@ def check_batch(tg, batch) -> list[torch.Tensor]:
     for micro, part in enumerate(batch):
         tensors += _check_one(tg, tg.batch_inputs[micro * per:(micro + 1) * per], part,
                               f"micro-batch {micro} of {steps}: ")
+    return tensors
+
+
+def _check_devices(tg, batch) -> list[torch.Tensor]:
+    """check_batch for a step on several devices: a list or tuple of one batch per device, each like
+    the example, or one batch whose every tensor holds the devices' batches one after another
+    along dim 0 (split evenly, device 0's rows first)."""
+    count = tg.devices
+    per = len(tg.batch_inputs) // count
+    example_like = (isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields") and len(batch) == count
+                    and all(flatten_batch_structure(part)[1] == tg.batch_spec for part in batch))
+    if example_like:
+        tensors = []
+        for device, part in enumerate(batch):
+            tensors += _check_one(tg, tg.batch_inputs[device * per:(device + 1) * per], part,
+                                  f"the batch of device {device} of {count}: ")
+        return tensors
+    leaves, spec = flatten_batch_structure(batch)
+    if tg.batch_spec is not None and spec != tg.batch_spec:
+        raise BatchError(f"this MemGraph runs on {count} devices: engine.run takes a list of {count} batches, each "
+                         f"like the example batch, or one batch like it with {count} times its rows; got "
+                         f"{_structure(spec)}, expected {_structure(tg.batch_spec)} (or a list of {count} of them)")
+    parts: list[list] = [[] for _ in range(count)]
+    expected = iter(tg.values[v] for v in tg.batch_inputs[:per])
+    for i, leaf in enumerate(leaves):
+        if i in tg.batch_constants or not isinstance(leaf, torch.Tensor):
+            for part in parts:
+                part.append(leaf)
+            continue
+        value = next(expected, None)
+        rows = value.shape[0] if value is not None and value.shape else None
+        if rows is None or leaf.dim() == 0 or leaf.shape[0] != rows * count:
+            got = tuple(leaf.shape)
+            raise BatchError(f"batch input '{_input_name(value, i) if value is not None else i}' (leaf {i}) has shape "
+                             f"{got}: one batch for {count} devices holds {count} x the example's rows along dim 0 "
+                             f"({count} x {rows} = {rows * count if rows else '?'}), split evenly, device 0's first; "
+                             f"or pass a list of {count} batches")
+        for part, piece in zip(parts, leaf.split(rows)):
+            part.append(piece)
+    tensors = []
+    for device, part in enumerate(parts):
+        tensors += _check_one(tg, tg.batch_inputs[device * per:(device + 1) * per],
+                              pytree.tree_unflatten(part, spec), f"the batch of device {device} of {count}: ")
     return tensors
 
 

@@ -30,6 +30,9 @@ class CostModel(Protocol):
     @property
     def host_update_rate(self) -> float: ...  # parameters/s of a CPU optimizer update while copies run
 
+    @property
+    def d2d_bandwidth(self) -> float: ...  # bytes/s of a copy from one device's memory to another's
+
     def estimate(self, tg: Any, vertex: Any) -> tuple[float, int]:
         """(seconds, workspace bytes) of a TaskGraph vertex that carries no measured time."""
         ...
@@ -50,6 +53,7 @@ class FixedRates:
     hbm_bandwidth: float = 3e12
     host_update_rate: float = 2.4e9
     host_per_vertex: float = 0.0
+    d2d_bandwidth: float = 300e9
 
     def estimate(self, tg: Any, vertex: Any) -> tuple[float, int]:
         return 0.0, 0

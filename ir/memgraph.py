@@ -44,6 +44,7 @@ class Stream(str, enum.Enum):
     H2D = "h2d"
     D2H = "d2h"
     HOST = "host"  # a compute vertex run by the host's cores on pinned CPU storage (an optimizer update)
+    D2D = "d2d"  # a transfer from another device's arena into this device's (TaskGraph.transfer_source)
 
 
 class Edge(str, enum.Enum):

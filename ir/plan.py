@@ -102,7 +102,8 @@ class Plan:
                 copy_id = graph.add_vertex(src.op, map_refs(src.args, renamed_own), map_refs(src.kwargs, renamed_own),
                                            outs, module=src.module, phase="recompute", random=src.random,
                                            time=src.time, workspace=src.workspace, recompute_of=orig,
-                                           copy_in=tuple((rename.get(o, o), own[n]) for o, n in src.copy_in))
+                                           copy_in=tuple((rename.get(o, o), own[n]) for o, n in src.copy_in),
+                                           device=src.device)
                 rename.update(own)
                 own.clear()
                 new_order.append(copy_id)

@@ -2,7 +2,7 @@
 
 A ``.mg`` file is a zip archive of exactly two members:
 
-- ``graph.json``: ``{"format": "turnip.memgraph", "version": 5, "memgraph": ...}``,
+- ``graph.json``: ``{"format": "turnip.memgraph", "version": 6, "memgraph": ...}``,
   the MemGraph (with its TaskGraph, Plan and OptimizerSpec) as tagged JSON;
 - ``state.safetensors``: every tensor the graph holds (initial states), named
   by number; ``graph.json`` refers to them as ``{"t": "tensor", "v": "<name>"}``.
@@ -10,7 +10,7 @@ A ``.mg`` file is a zip archive of exactly two members:
 Loading parses JSON and safetensors and builds only the types named in
 `Codec`'s registry (the contract dataclasses and enums) and a fixed list of
 torch constants, so a file runs no code of its author: no pickle anywhere.
-A file of another version than `VERSION` (5) or 4 (read as 5 without host updates) is refused,
+A file of another version than `VERSION` (6), 5 or 4 (read as 6 on one device, 4 without host updates) is refused,
 naming its version; version 1 files were pickles, refused without being opened as one.
 
 Tagged JSON: JSON scalars (str, int, bool, null, finite float) and arrays
@@ -46,9 +46,11 @@ FORMAT = "turnip.memgraph"
 # 1 was a pickle, which loading refuses: it could run code; 2 the first zip of JSON and safetensors;
 # 3 added MemGraph.segments, TaskGraph.batch_constants, OptimizerSpec.params and Plan.release_after;
 # 4 added TaskGraph.accumulation_steps; 5 Plan.host_update and .resident (and Stream "host"). A file of version 4
-# reads as one of 5 with no host updates (ADDED_FIELDS); other versions are read only by their turnip.
-VERSION = 5
-ADDED_FIELDS = {"Plan": {"host_update": 5, "resident": 5}}  # class -> field -> the version that added it (it has a default)
+# reads as one of 5 with no host updates (ADDED_FIELDS); 6 added the devices of TaskGraph, Vertex and Value (a file of
+# 4 or 5 is one device's); other versions are read only by their turnip.
+VERSION = 6
+ADDED_FIELDS = {"Plan": {"host_update": 5, "resident": 5}, "TaskGraph": {"devices": 6}, "Vertex": {"device": 6},
+                "Value": {"device": 6}}  # class -> field -> the version that added it (it has a default)
 GRAPH_MEMBER = "graph.json"
 STATE_MEMBER = "state.safetensors"
 
@@ -335,8 +337,8 @@ def load(path: str | Path, types: Iterable[type]) -> Any:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else None
         raise ValueError(f"{path} is not a turnip MemGraph file: format {found!r}, expected {FORMAT!r}")
-    if doc.get("version") not in (4, VERSION):
-        raise ValueError(f"{path} has MemGraph format version {doc.get('version')!r}, this turnip reads 4 and {VERSION}")
+    if doc.get("version") not in (4, 5, VERSION):
+        raise ValueError(f"{path} has MemGraph format version {doc.get('version')!r}, this turnip reads 4 to {VERSION}")
     try:
         tensors = load_tensors(state)
     except Exception as exc:  # safetensors reports a bad header in its own error types

@@ -72,6 +72,7 @@ class Value:
     kind: ValueKind = ValueKind.INTERMEDIATE
     producer: int = -1  # vertex id, -1 for inputs
     name: str = ""  # input name, e.g. "param:blocks.0.attn.weight" or "batch:0"
+    device: int = 0  # the device whose memory holds it (its producer's; an input's home): TaskGraph.devices
 
     @property
     def dense_ref(self) -> TensorRef:
@@ -95,6 +96,7 @@ class Vertex:
     # "copy value old into new's buffer, then run the op"; refs in args to `new` are the
     # mutated views.
     copy_in: tuple[tuple[int, int], ...] = ()
+    device: int = 0  # the device it runs on, reading and writing only values of that device (but a transfer)
 
     def refs(self) -> Iterator[TensorRef]:
         yield from iter_refs(self.args)
@@ -135,6 +137,9 @@ def map_refs(template: Any, fn) -> Any:
         return {k: map_refs(t, fn) for k, t in template.items()}
     return template
 
+
+# ops that move a value between devices when their source is on another device: op -> index of the source argument
+TRANSFER_OPS = {"aten::_to_copy": 0, "aten::copy_": 1}
 
 _PLAIN_DICTS = (dict, OrderedDict, defaultdict)  # read as one kind of mapping; other dict subclasses keep theirs
 
@@ -188,6 +193,10 @@ class TaskGraph:
     # this many batches, each like the example (batch_spec, batch_constants), and batch_inputs holds the first
     # micro-batch's inputs, then the second's, ...
     accumulation_steps: int = 1
+    # devices one step runs on (compile's devices=, trace/data_parallel.py): a copy of the forward and backward
+    # per device, each on its micro-batch (batch_inputs: device 0's, then device 1's, ...), gradients summed
+    # into each parameter's owner, the update there, updated weights copied to the others
+    devices: int = 1
     initial_state: dict[int, Any] = field(default_factory=dict)  # persistent value -> its tensor at trace time
     state_names: dict[str, int] = field(default_factory=dict)  # model state_dict key -> persistent value id
     # bytes the engine's streams keep besides arena and op workspace (cuBLAS/cuDNN workspaces of a new
@@ -195,17 +204,16 @@ class TaskGraph:
     runtime_reserve: int = 0
 
     # -- construction -------------------------------------------------------
-    def add_value(self, shape, stride, dtype, nbytes, kind=ValueKind.INTERMEDIATE, producer=-1, name="") -> int:
+    def add_value(self, shape, stride, dtype, nbytes, kind=ValueKind.INTERMEDIATE, producer=-1, name="",
+                  device: int = 0) -> int:
         vid = len(self.values)
-        self.values.append(Value(vid, tuple(shape), tuple(stride), dtype, int(nbytes), kind, producer, name))
+        self.values.append(Value(vid, tuple(shape), tuple(stride), dtype, int(nbytes), kind, producer, name, device))
         return vid
 
     def add_vertex(self, op: str, args=(), kwargs=None, outputs=(), **attrs) -> int:
         vid = len(self.vertices)
         self.vertices.append(Vertex(vid, op, args, kwargs or {}, tuple(outputs), **attrs))
-        for out in outputs:
-            if out >= 0:
-                self.values[out].producer = vid
+        self._own_outputs(self.vertices[vid])
         return vid
 
     def add_copy(self, vertex: Vertex, **changes) -> int:
@@ -213,12 +221,25 @@ class TaskGraph:
         the next id, with ``changes`` replacing any of its other fields."""
         vid = len(self.vertices)
         self.vertices.append(dataclasses.replace(vertex, id=vid, **changes))
-        for out in self.vertices[vid].outputs:
-            if out >= 0:
-                self.values[out].producer = vid
+        self._own_outputs(self.vertices[vid])
         return vid
 
+    def _own_outputs(self, vertex: Vertex) -> None:
+        """A vertex's results are its own, on its device."""
+        for out in vertex.outputs:
+            if out >= 0:
+                self.values[out].producer = vertex.id
+                self.values[out].device = vertex.device
+
     # -- queries ------------------------------------------------------------
+    def transfer_source(self, vertex: Vertex) -> int | None:
+        """The value a device-to-device transfer vertex copies from another device (a plain copy,
+        ``_to_copy`` into a new value or ``copy_`` over a replica), else None."""
+        if self.devices == 1 or vertex.op not in TRANSFER_OPS:
+            return None
+        source = vertex.args[TRANSFER_OPS[vertex.op]].value
+        return source if self.values[source].device != vertex.device else None
+
     def inputs_of_kind(self, *kinds: ValueKind) -> list[int]:
         return [v.id for v in self.values if v.kind in kinds]
 

@@ -101,8 +101,8 @@ class RangeAllocator:
     while occupied segments grow with the budget.
     """
 
-    def __init__(self, base: int, limit: int, where: str, fresh_time: int, two_sided: bool):
-        self.base, self.limit, self.where = base, limit, where
+    def __init__(self, base: int, limit: int, where: str, fresh_time: int, two_sided: bool, device: int = 0):
+        self.base, self.limit, self.where, self.device = base, limit, where, device
         self.two_sided = two_sided
         self.high = base  # highest end ever used
         self.live = 0  # bytes occupied now
@@ -221,7 +221,7 @@ class RangeAllocator:
             chain.append(self._new_free(we, re, right))
         self._link(prev, chain, nxt)
         tenancy.start, tenancy.end, tenancy.saved = ws, we, inside
-        tenancy.place = Place(self.where, ws, size)
+        tenancy.place = Place(self.where, ws, size, self.device)
         tenancy.alive = True
         self.high = max(self.high, we)
         self.live += size

@@ -31,6 +31,7 @@ START, END = "start", "end"  # virtual writer of the homes / reader of the final
 MAX_REPORTS = 40  # per kind of violation
 STREAM_OF = {Kind.COMPUTE: Stream.COMPUTE, Kind.COPY: Stream.COMPUTE, Kind.OFFLOAD: Stream.D2H,
              Kind.OUTPUT: Stream.D2H, Kind.RELOAD: Stream.H2D, Kind.INPUT: Stream.H2D}
+ALSO_COMPUTE = (Stream.HOST, Stream.D2D)  # where else a compute vertex runs: the host's cores, a transfer lane
 
 
 def verify(mg: MemGraph) -> list[str]:
@@ -83,7 +84,7 @@ class _Verifier:
             if v.id != i:
                 self.report("structure", f"vertex at position {i} has id {v.id}")
                 ok = False
-            if STREAM_OF.get(v.kind) is not v.stream and not (v.kind is Kind.COMPUTE and v.stream is Stream.HOST):
+            if STREAM_OF.get(v.kind) is not v.stream and not (v.kind is Kind.COMPUTE and v.stream in ALSO_COMPUTE):
                 self.report("structure", f"{v.kind.value} #{i} is on stream {v.stream}")
             if v.kind is Kind.COMPUTE:  # the GPU's streams see the arena, the host's cores pinned storage
                 where = "cpu" if v.stream is Stream.HOST else "gpu"
@@ -288,8 +289,10 @@ class _Verifier:
 
     # -- (b) -------------------------------------------------------------------------------
     def _check_races(self) -> None:
-        for where in ("gpu", "cpu"):
-            ids = sorted((i for i, p in enumerate(self.placements) if p[2].where == where),
+        storages = sorted({(p.where, p.device if p.where == "gpu" else 0) for _w, _v, p in self.placements})
+        for where, device in storages:  # each device's arena apart; the pinned storage is one
+            ids = sorted((i for i, p in enumerate(self.placements)
+                          if p[2].where == where and (where != "gpu" or p[2].device == device)),
                          key=self.wpos.__getitem__)
             starts: list[int] = []  # disjoint painted ranges: start -> (end, placement)
             paint: dict[int, tuple[int, int]] = {}
@@ -318,7 +321,7 @@ class _Verifier:
                 wa, va, pa = self.placements[a]
                 wb, vb, pb = self.placements[b]
                 lo, hi = max(pa.offset, pb.offset), min(pa.end, pb.end)
-                where_s = f"{where} bytes [{lo},{hi})"
+                where_s = f"{where} bytes [{lo},{hi})" + (f" of device {device}" if where == "gpu" and device else "")
                 self.precede(wa, wb, "b", f"race in {where_s}: {self.name(wb)} writes value {vb} there but may run "
                                           f"before {self.name(wa)} writes value {va}")
                 for r in self.readers[a]:

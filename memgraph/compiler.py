@@ -24,6 +24,7 @@ from ..planners.driver import check_options, plan_candidates, run_plan, smallest
 from ..planners.host_update import check_mode as check_host_update
 from ..planners.host_update import fused_updates, host_update_candidates
 from ..planners.measure import device_name
+from ..trace.data_parallel import read_devices
 from ..trace.passes import DONATE, run_passes
 from ..trace.split_loss import split_loss_head
 from ..trace.tracer import check_clipping, target_device, trace
@@ -51,7 +52,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             fused_optimizer: bool | None = None, max_grad_norm: float | None = None, norm_type: float = 2.0,
             accumulation_steps: int = 1, verbose: bool = True, cache: bool | str | os.PathLike = True,
             backward: bool = True, split: str | int = "auto", host_update: str = "off",
-            **planner_options) -> MemGraph:
+            devices: int | list | None = None, **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
 
     budget: how much GPU memory the step may use (ir/budget.py):
@@ -120,6 +121,18 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     fused optimizer (the CUDA default). Off by default because it changes the numbers: torch's CPU
     fused AdamW is not the CUDA kernel, and where sqrt(exp_avg_sq) is near eps the two differ by
     up to about lr; and because on the H100 it is slower so far (bench/results/2026-11-24_h100_near-whole-plan-host-updates.md).
+    devices: run the step on this many devices of `device`'s kind (or a list of them: "cuda:0",
+    "cuda:1", ...; `device="cpu", devices=3` gives three virtual CPU devices, each with its own arena
+    and streams): data parallel, one forward and backward per device on its micro-batch
+    (example_batch is one device's), as eager's accumulation over the devices' micro-batches with
+    every gradient then divided by their count (DDP's averaging; trace/data_parallel.py). Each
+    parameter's gradient is summed on the device that owns its update, the update and its optimizer
+    states live there, and the other devices' replicas of the weight are refreshed from it by
+    device-to-device copies. The budget is per device. engine.run(mg, batch) takes a list of one
+    batch per device, or one batch with devices x the example's rows (split along dim 0);
+    out["losses"] holds each device's loss and out["loss"] their mean. Not yet: a planner that
+    models several devices (below the unplanned peak BuildMemGraph evicts what does not fit, the
+    planner "none"), accumulation_steps > 1 with devices, and weights sharded across devices.
     planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
     the ILP solver may run; default None, scaled to the problem: planners/driver.py's
     ilp_time_limit, 0.5 ms per binary variable, 15 ms with op costs measured on the GPU, within
@@ -137,6 +150,11 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     if planner != "none":  # so are unknown planners and options (a cached plan would not see them)
         check_options(planner, **{k: v for k, v in planner_options.items() if k != "costs"})
     device = target_device(device or default_device())
+    device_count = read_devices(device, devices)
+    if device_count > 1 and planner != "none":
+        log.info("the planners model one device so far: on %d devices BuildMemGraph evicts what does not fit "
+                 "(planner 'none')", device_count)
+        planner = "none"
     alignment = alignment or (256 if device.type == "cuda" else 64)
     started = time.perf_counter()
     with Phases(list(PHASES), enabled=verbose) as progress:
@@ -145,7 +163,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device,
                        fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type,
                        accumulation_steps=accumulation_steps, backward=backward,
-                       loss_blocks=loss_blocks, donate=split != "auto")
+                       loss_blocks=loss_blocks, donate=split != "auto", devices=device_count)
             traced = None
             if split == "auto":  # kept as traced: its loss head is split if the budget needs it
                 traced, tg = tg, donated(tg)

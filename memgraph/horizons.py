@@ -92,13 +92,15 @@ class HorizonWalk:
     # -- homes -------------------------------------------------------------------------
     def _place_homes(self, capacity: int, cpu_limit: int) -> None:
         sched, values = self.sched, self.tg.values
-        offset = 0
+        devices = range(self.tg.devices)
+        top = [0 for _ in devices]  # each device's arena from 0: its GPU homes, then the resident slots
         for v in range(len(values)):
             if sched.gpu_home[v]:
                 home = Tenancy(v)
-                home.start, home.end, home.writer, home.home = offset, offset + self.size[v], START, True
-                home.place = Place("gpu", offset, self.size[v])
-                offset = home.end
+                d = sched.device[v]
+                home.start, home.end, home.writer, home.home = top[d], top[d] + self.size[v], START, True
+                home.place = Place("gpu", top[d], self.size[v], d)
+                top[d] = home.end
                 self.home_t[v] = self.cur[v] = home
                 self.home_src[v] = v
         # a resident CPU-homed value (plan.resident) gets arena bytes of its own beside the GPU homes:
@@ -107,24 +109,30 @@ class HorizonWalk:
         for v in sorted(self.plan.resident):
             if 0 <= v < len(values) and sched.cpu_home[v]:
                 slot = Tenancy(v)
-                slot.start, slot.end, slot.home = offset, offset + self.size[v], True
-                slot.place = Place("gpu", offset, self.size[v])
-                offset = slot.end
+                d = sched.device[v]
+                slot.start, slot.end, slot.home = top[d], top[d] + self.size[v], True
+                slot.place = Place("gpu", top[d], self.size[v], d)
+                top[d] = slot.end
                 self.slot[v] = slot
-        if capacity < offset:
+        if capacity < max(top):
             raise OutOfMemory("gpu", -1)
-        # fresh bytes first (fewest dependencies), or, compact, reuse first (smallest arena)
-        self.gpu = RangeAllocator(offset, capacity, "gpu", fresh_time=UNBOUNDED if self.compact else -1,
-                                  two_sided=True)
+        # one allocator per device; fresh bytes first (fewest dependencies), or, compact, reuse first (smallest arena)
+        self.gpus = [RangeAllocator(top[d], capacity, "gpu", fresh_time=UNBOUNDED if self.compact else -1,
+                                    two_sided=True, device=d) for d in devices]
         # value -> [(first step of a stay, arena offset)] planned offline (compact builds)
         self.packed: dict[int, list[tuple[int, int]]] = {}
         if self.compact:
             started = time.perf_counter()
             for prefetch, settle in PACKING_SLACK:
-                packed, top = pack(stays(self.tg, self.sched, prefetch, settle))
-                self.stats["packed_arena_bytes"] = int(offset + top)
-                if offset + top <= capacity:
-                    self.packed = {v: [(s, offset + at) for s, at in spots] for v, spots in packed.items()}
+                every = stays(self.tg, self.sched, prefetch, settle)
+                packed, ends = {}, []
+                for d in devices:
+                    on_d, high = pack([stay for stay in every if sched.device[stay.values[0]] == d])
+                    packed.update({v: [(s, top[d] + at) for s, at in spots] for v, spots in on_d.items()})
+                    ends.append(top[d] + high)
+                self.stats["packed_arena_bytes"] = int(max(ends))
+                if max(ends) <= capacity:
+                    self.packed = packed
                     self.stats["packed_prefetch_steps"] = prefetch
                     self.stats["packed_settle_steps"] = settle
                     break
@@ -157,7 +165,8 @@ class HorizonWalk:
             e += 1
             self.alloc_step = max(self.alloc_step, e)
         self.stats["seconds_simulate"] = time.perf_counter() - started
-        self.gpu.close()
+        for gpu in self.gpus:
+            gpu.close()
         self.cpu_alloc.close()
         return self._finish()
 
@@ -182,8 +191,8 @@ class HorizonWalk:
         if at is None:
             return False
         t = Tenancy(v, step=s)
-        t.pending = wait_for(self.gpu.alloc(at, self.size[v], t))
-        self.gpu.set_cost(t, self.pre_cost + s)
+        t.pending = wait_for(self._gpu(v).alloc(at, self.size[v], t))
+        self._gpu(v).set_cost(t, self.pre_cost + s)
         self.pre[v] = t
         self.stats[counter] += 1
         return True
@@ -232,7 +241,7 @@ class HorizonWalk:
             if self.pre[o] is None:
                 t = Tenancy(o, step=s)
                 self._place(t, pinned)
-                self.gpu.set_cost(t, self.pre_cost + s)
+                self._gpu(o).set_cost(t, self.pre_cost + s)
                 self.pre[o] = t
                 pinned.add(t)
         for x in reads:
@@ -242,20 +251,21 @@ class HorizonWalk:
     def _place(self, t: Tenancy, pinned: set) -> None:
         """Find arena bytes for t now, clearing a window if nothing is free."""
         size = self.size[t.value]
+        gpu = self._gpu(t.value)
         at = self._fit(t.value)
         stuck: set[Tenancy] = set()  # victims pinned CPU storage has no room for
         while at is None:
-            at = self.gpu.best_window(size, pinned | stuck if stuck else pinned, self.free_cost)
+            at = gpu.best_window(size, pinned | stuck if stuck else pinned, self.free_cost)
             if at is None:
                 raise NeedFlush
-            for victim in self.gpu.occupants(at, at + size):
+            for victim in gpu.occupants(at, at + size):
                 if victim.writer is None:
                     self._revoke(victim)
                 elif not self._evict(victim):
                     stuck.add(victim)
-            if stuck and self.gpu.occupants(at, at + size):
-                at = self.gpu.find_fit(size)  # what was evicted may have made room elsewhere
-        t.pending = wait_for(self.gpu.alloc(at, size, t))
+            if stuck and gpu.occupants(at, at + size):
+                at = gpu.find_fit(size)  # what was evicted may have made room elsewhere
+        t.pending = wait_for(gpu.alloc(at, size, t))
 
     def _fit(self, v: int) -> int | None:
         """Where v goes: its packed offset when those bytes are free (compact builds), else the
@@ -266,13 +276,17 @@ class HorizonWalk:
             for first, offset in spots:  # the stay that has begun by now (a reload's, after a release)
                 if first <= self.now:
                     at = offset
-            if self.gpu.fits_at(at, self.size[v]):
+            if self._gpu(v).fits_at(at, self.size[v]):
                 self.stats["packed_placements"] += 1
                 return at
-        return self.gpu.find_fit(self.size[v])
+        return self._gpu(v).find_fit(self.size[v])
+
+    def _gpu(self, v: int) -> RangeAllocator:
+        """The allocator of the device value v lives on."""
+        return self.gpus[self.sched.device[v]]
 
     def _revoke(self, t: Tenancy) -> None:
-        self.gpu.revoke(t)
+        self._gpu(t.value).revoke(t)
         self.pre[t.value] = None
         self.alloc_step = min(self.alloc_step, t.step)
         self.stats["revoked_reservations"] += 1
@@ -285,7 +299,7 @@ class HorizonWalk:
             if not self._offload(v, t):
                 return False
             self.stats["offloads_evicted"] += 1
-        self.gpu.free(t, self.now + OFFLOAD_SETTLE_STEPS)
+        self._gpu(v).free(t, self.now + OFFLOAD_SETTLE_STEPS)
         self.cur[v] = None
         self.stats["evictions"] += 1
         return True
@@ -294,7 +308,7 @@ class HorizonWalk:
         """Fragmentation fallback: clear the whole arena (homes excepted; values pinned CPU storage
         has no room for stay)."""
         self.stats["flushes"] += 1
-        for t in self.gpu.tenancies():
+        for t in [t for gpu in self.gpus for t in gpu.tenancies()]:
             if t.writer is None:
                 self._revoke(t)
             else:
@@ -321,7 +335,7 @@ class HorizonWalk:
     def _reclaim_cpu(self, size: int) -> int | None:
         """Pinned storage is full: drop CPU copies of values that are in the arena too (a later
         eviction offloads them again), largest first, until ``size`` bytes fit."""
-        copies = [self.cpu[t.value] for t in self.gpu.tenancies() if t.writer is not None]
+        copies = [self.cpu[t.value] for gpu in self.gpus for t in gpu.tenancies() if t.writer is not None]
         copies = sorted((c for c in copies if c is not None and not c.home), key=lambda c: c.start - c.end)
         for slot in copies:
             self.cpu_alloc.free(slot, self.now)
@@ -356,7 +370,7 @@ class HorizonWalk:
         self._wait(t.pending, mid)
         t.pending, t.writer, t.saved = [], mid, None  # written: no longer revocable
         if not t.home:
-            self.gpu.set_cost(t, self._next_use(v))
+            self._gpu(v).set_cost(t, self._next_use(v))
         self.cur[v] = t
         return t
 
@@ -370,7 +384,8 @@ class HorizonWalk:
         in_place = self.sched.in_place.get(vid, ())
         writes = {o: self.pre[o].place for o in outs}
         writes.update((new, self.cur[old].place) for old, new in in_place)
-        mid = self.mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE, task_vertex=vid,
+        stream = Stream.D2D if self.tg.transfer_source(vertex) is not None else Stream.COMPUTE
+        mid = self.mg.add_vertex(Kind.COMPUTE, stream, task_vertex=vid,
                                  reads={x: self.cur[x].place for x in ins}, writes=writes, workspace=vertex.workspace)
         for x in ins:
             self._read(self.cur[x], mid)
@@ -379,7 +394,7 @@ class HorizonWalk:
             self.pre[o] = None
             self._wait(t.pending, mid)
             t.pending, t.writer, t.saved = [], mid, None  # written: no longer revocable
-            self.gpu.set_cost(t, self._next_use(o))
+            self._gpu(o).set_cost(t, self._next_use(o))
             self.cur[o] = t
         for old, new in in_place:
             self._take_over(old, new, mid)
@@ -393,7 +408,7 @@ class HorizonWalk:
         for v in self.sched.release_at.get(s, ()):
             t = self.cur[v]
             if t is not None and not t.home and self.cpu[v] is not None and self.nidx[v] < len(self.uses[v]):
-                self.gpu.free(t, self.now + OFFLOAD_SETTLE_STEPS)
+                self._gpu(v).free(t, self.now + OFFLOAD_SETTLE_STEPS)
                 self.cur[v] = None
 
     def _run_host_task(self, s: int, vid: int) -> None:
@@ -445,9 +460,9 @@ class HorizonWalk:
             self.home_src[new] = src
             self.home_t[src] = t_new
         else:
-            self.gpu.replace(t_old, t_new)
+            self._gpu(old).replace(t_old, t_new)
         self.cur[old] = None  # old's bytes are new's now: nothing may free them on old's behalf
-        self.gpu.set_cost(t_new, self._next_use(new))
+        self._gpu(new).set_cost(t_new, self._next_use(new))
         self.cur[new] = t_new
         self.stats["in_place"] += 1
 
@@ -509,13 +524,13 @@ class HorizonWalk:
         if self.nidx[v] >= len(self.uses[v]):
             self._drop(v)
         elif self.cur[v] is not None and not self.cur[v].home:
-            self.gpu.set_cost(self.cur[v], self.uses[v][self.nidx[v]])
+            self._gpu(v).set_cost(self.cur[v], self.uses[v][self.nidx[v]])
 
     def _drop(self, v: int) -> None:
         """Nobody reads v again: its arena bytes and CPU copy are free (homes stay)."""
         t = self.cur[v]
         if t is not None and not t.home:
-            self.gpu.free(t, self.now)
+            self._gpu(v).free(t, self.now)
             self.cur[v] = None
         slot = self.cpu[v]
         if slot is not None and not slot.home:
@@ -535,12 +550,13 @@ class HorizonWalk:
         kinds = (Edge.DATA, Edge.MEMORY)
         mg.edges = [((k >> 1) % n, (k >> 1) // n, kinds[k & 1]) for k in packed]
         mg.serial = list(range(n))
-        mg.arena_bytes = max(self.gpu.high, self.sched.home_bytes)
+        # every device's arena has the bytes of the fullest
+        mg.arena_bytes = max(max(gpu.high, home) for gpu, home in zip(self.gpus, self.sched.home_bytes_on))
         mg.cpu_bytes = self.cpu_alloc.high
         mg.stats.update(self.stats)
         mg.stats.update({
             "peak_cpu_bytes": self.cpu_alloc.peak_live,
-            "peak_arena_bytes": self.gpu.peak_live + self.sched.home_bytes,
+            "peak_arena_bytes": max(gpu.peak_live + home for gpu, home in zip(self.gpus, self.sched.home_bytes_on)),
             "edges_removed_by_reduction": dropped,
             "memory_edges_before_reduction": len(self.memory),
             "gpu_home_bytes": self.sched.home_bytes,

@@ -123,19 +123,28 @@ class Schedule:
                     if vid in self.task_step:
                         self.release_at.setdefault(self.task_step[vid], []).append(v)
 
-        # -- the most arena any single step needs at once, beside the GPU homes ----------
-        self.home_bytes = sum(self.size[v] for v in range(len(values)) if self.gpu_home[v])
+        # -- the most arena any single step needs at once on its device, beside the GPU homes ----------
+        self.devices = tg.devices
+        self.device = [v.device for v in values]
+        self.home_bytes_on = [0] * tg.devices  # bytes of the GPU homes on each device
+        for v in range(len(values)):
+            if self.gpu_home[v]:
+                self.home_bytes_on[self.device[v]] += self.size[v]
+        self.home_bytes = max(self.home_bytes_on)  # the most any device holds
+        # per step: the most (homes + what the step reads and writes there) over the devices it touches,
+        # less the homes of the fullest device, so home_bytes + need[s] is the step's floor
         self.need = [0] * len(self.steps)
         for s, step in enumerate(self.steps):
+            on = [0] * tg.devices
             if step[0] == TASK and step[1] in self.host:
-                self.need[s] = 0  # reads and writes pinned CPU storage only
+                pass  # reads and writes pinned CPU storage only
             elif step[0] == TASK:
                 vid = step[1]
-                self.need[s] = sum(self.size[o] for o in self.outputs[vid]) + sum(
-                    self.size[x] for x in self.inputs[vid] if not self.gpu_home[x])
-            else:
-                v = step[2]
-                self.need[s] = 0 if self.gpu_home[v] else self.size[v]
+                for x in itertools.chain(self.outputs[vid], (x for x in self.inputs[vid] if not self.gpu_home[x])):
+                    on[self.device[x]] += self.size[x]
+            elif not self.gpu_home[step[2]]:
+                on[self.device[step[2]]] += self.size[step[2]]
+            self.need[s] = max(home + b for home, b in zip(self.home_bytes_on, on)) - self.home_bytes
         self.max_workspace = tg.step_workspace()
 
     def _check_host_update(self, tg: TaskGraph, vid: int) -> None:

@@ -55,6 +55,7 @@ class DeviceSpec:
     })
     default_flops: float = 50e12  # dtypes not in the table (integers, synthetic graphs)
     mem_bw: float = 3e12  # HBM bytes/s
+    d2d: float = 300e9  # bytes/s from one device's memory to another's (NVLink; 394 measured on H100 NV18 pairs)
     h2d: float = 50e9  # pinned host -> device bytes/s
     d2h: float = 50e9  # device -> pinned host bytes/s
     # bytes/s in all with both directions copying at once; None: each direction at its own rate
@@ -345,6 +346,14 @@ class CostModel:
             cache.bandwidth.update(measured())
             cache.save()
         return cache.bandwidth[key]
+
+    @property
+    def d2d_bandwidth(self) -> float:
+        """Bytes/s of a copy from one GPU to another: measured between the first two devices when
+        there are two, else the spec's."""
+        if not self._measures_device() or torch.cuda.device_count() < 2:
+            return self.spec.d2d
+        return self._cached_rate("d2d", lambda: {"d2d": measure.measure_d2d("cuda:0", "cuda:1")})
 
     @property
     def hbm_bandwidth(self) -> float:

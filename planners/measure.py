@@ -204,6 +204,25 @@ def measure_bandwidth(device: str, nbytes: int = 64 << 20, runs: int = 5) -> dic
     return out
 
 
+def measure_d2d(source: str, target: str, nbytes: int = 256 << 20, runs: int = 5) -> float:
+    """Bytes/s of a copy from one GPU's memory to another's (NVLink or PCIe peer to peer)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=torch.device(source))
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=torch.device(target))
+    dst.copy_(src)  # warm-up, and peer access enabled
+    torch.cuda.synchronize(src.device)
+    torch.cuda.synchronize(dst.device)
+    samples = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(src.device)
+        torch.cuda.synchronize(dst.device)
+        samples.append(nbytes / (time.perf_counter() - started))
+    rate = statistics.median(samples)
+    log.info("device-to-device bandwidth %s -> %s: %.1f GB/s", source, target, rate / 1e9)
+    return rate
+
+
 def measure_duplex(device: str, nbytes: int = 64 << 20, copies: int = 16, runs: int = 3) -> float:
     """Bytes/s the link moves in all with pinned copies running each way at once (two streams,
     ``copies`` of ``nbytes`` each way, so the two directions overlap for nearly all of it: with one

@@ -148,7 +148,7 @@ def write_concats_in_place(tg: TaskGraph) -> TaskGraph:
             empty = out.add_value(result.shape, result.stride, result.dtype, result.nbytes)
             out.add_vertex(op_name(torch.ops.aten.empty_strided.default), (list(result.shape), list(result.stride)),
                            {"dtype": result.dtype, "device": torch.device(tg.device)}, (empty,),
-                           module=c.cat.module, phase=c.cat.phase)
+                           module=c.cat.module, phase=c.cat.phase, device=c.cat.device)
             versions[c.cat.id] = empty
         if vertex.id in rewrite:
             c, part = rewrite[vertex.id]
@@ -164,7 +164,7 @@ def write_concats_in_place(tg: TaskGraph) -> TaskGraph:
                     continue
                 old, new = next_version(c)
                 out.add_vertex(op_name(torch.ops.aten.copy_.default), (slice_of(c, part, new), ref), {}, (new,),
-                               module=vertex.module, phase=vertex.phase, copy_in=((old, new),))
+                               module=vertex.module, phase=vertex.phase, copy_in=((old, new),), device=vertex.device)
             continue
         out.add_copy(vertex)
     out = drop_unproduced(out)

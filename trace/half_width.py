@@ -42,8 +42,7 @@ def halve_frozen_casts(tg: TaskGraph) -> int:
         if dtype is None:
             continue
         new = tg.add_value(val.shape, val.stride, dtype, val.nbytes * dtype.itemsize // val.dtype.itemsize,
-                           ValueKind.FROZEN,
-                           name=f"{val.name}:{_dtype_name(dtype)}")
+                           ValueKind.FROZEN, name=f"{val.name}:{_dtype_name(dtype)}", device=val.device)
         tg.initial_state[new] = tg.initial_state[val.id].detach().to(dtype)
 
         def swap(ref: TensorRef, old=val.id, new=new) -> TensorRef:

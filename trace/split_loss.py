@@ -192,7 +192,8 @@ class _Writer:
         return self.tg.values[vid].dense_ref
 
     def op(self, like: Vertex, op: str, args, kwargs=None, outputs=()) -> None:
-        self.tg.add_vertex(op, tuple(args), dict(kwargs or {}), tuple(outputs), module=like.module, phase=like.phase)
+        self.tg.add_vertex(op, tuple(args), dict(kwargs or {}), tuple(outputs), module=like.module, phase=like.phase,
+                           device=like.device)
 
 
 def split_loss_head(tg: TaskGraph, k: int) -> TaskGraph:

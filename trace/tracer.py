@@ -40,6 +40,7 @@ from ..ir.taskgraph import (
 from ..kernels.ops import HIDDEN_MUTATIONS, RUNTIME_SIZED, flatten_returns, is_random, op_name, out_variant
 from .accumulate import accumulate, check_steps, loss_outputs, micro_prefix, split
 from .constant_checks import eager_answers
+from .data_parallel import averaged_gradients, check_devices, mean_loss, place_on_devices
 from .errors import UnsupportedFeature, UnsupportedOp
 from .optimizer_update import append_optimizer, clipped_gradients, spec_from_optimizer
 from .origins import (
@@ -208,6 +209,7 @@ class _GraphReader:
         self.current: dict[int, int] = {}  # storage key -> value id holding its latest version
         self.vals: dict[torch.fx.Node, object] = {}
         self.module_state: dict[int, int] = {}  # buffer input updated in place -> its storage key
+        self.vertex_nodes: dict[int, int] = {}  # vertex id -> index of the FX node it was read from
 
     def bind_module_state(self) -> None:
         """Each buffer the step updated in place takes its last version at the end of the step."""
@@ -300,7 +302,8 @@ class _GraphReader:
                 raise self.refuse(name, index, "returns a tensor that does not start at its storage")
             else:
                 outputs.append(self.new_value(t))
-        self.tg.add_vertex(name, args, kwargs, outputs, module=module, phase=phase, random=is_random(op))
+        vid = self.tg.add_vertex(name, args, kwargs, outputs, module=module, phase=phase, random=is_random(op))
+        self.vertex_nodes[vid] = index
 
     def _read_inplace(self, node, op, name, module, phase, mutated, flat) -> None:
         """An op that writes some of its arguments: each written argument gets a new version (copy_in).
@@ -345,8 +348,9 @@ class _GraphReader:
                 vid = self.new_value(t)
                 kwargs[out_name] = self.tg.values[vid].dense_ref
                 outputs.append(vid)
-        self.tg.add_vertex(name, args, kwargs, outputs, module=module, phase=phase, random=is_random(op),
-                           copy_in=tuple(copy_in))
+        vid = self.tg.add_vertex(name, args, kwargs, outputs, module=module, phase=phase, random=is_random(op),
+                                 copy_in=tuple(copy_in))
+        self.vertex_nodes[vid] = self.reading[1]
 
     def dense_value(self, ref: TensorRef, module: str = "", phase: str = "backward") -> int:
         """A value id holding exactly `ref` (cloned into its own value when it is a view)."""
@@ -380,7 +384,7 @@ def target_device(device) -> torch.device:
 def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
           device: str | torch.device | None = None, fused_optimizer: bool | None = None,
           max_grad_norm: float | None = None, norm_type: float = 2.0, accumulation_steps: int = 1,
-          backward: bool = True, loss_blocks: int | None = None, donate: bool = True) -> TaskGraph:
+          backward: bool = True, loss_blocks: int | None = None, donate: bool = True, devices: int = 1) -> TaskGraph:
     """Trace forward, loss, backward and the optimizer update of one training step.
 
     donate: rewrite ops whose input dies there to write over it (trace/donate.py); False leaves
@@ -399,6 +403,11 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     into the gradients in place, then one clipping and update; outputs "losses" (the k losses)
     and "loss" (their sum, added in order).
 
+    devices: N > 1 traces data parallelism over N devices of `device`'s kind (trace/data_parallel.py):
+    one forward and backward per device, each on its micro-batch like example_batch, the gradients
+    added in device order on each parameter's owner and divided by N (DDP's averaging), one update
+    per parameter on its owner; outputs "losses" (the N losses) and "loss" (their mean).
+
     max_grad_norm: clip the gradients to this total norm before the update, with the arithmetic of
     ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type)`` (its total norm, then every
     gradient times min(1, max_norm / (norm + 1e-6))).
@@ -410,6 +419,8 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     implementation op for op, bitwise equal to eager (the CPU default).
     """
     steps = check_steps(accumulation_steps)
+    devices = check_devices(devices, steps, backward)
+    micros = steps * devices  # micro-batches traced: one per accumulation step, or one per device
     check_clipping(max_grad_norm)
     if not backward:
         _check_forward_only(optimizer, max_grad_norm, steps)
@@ -455,7 +466,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     fake_train = [_fake_like(fake_mode, p, device, True) for p in trainable.values()]
     fake_frozen = [_fake_like(fake_mode, p, device, False) for p in frozen.values()]
     fake_buffers = [_fake_like(fake_mode, b, device, False) for b in buffers.values()]
-    fake_leaves = [_fake_like(fake_mode, leaves[j], device, False) for _ in range(steps) for j in batch_tensors]
+    fake_leaves = [_fake_like(fake_mode, leaves[j], device, False) for _ in range(micros) for j in batch_tensors]
     modules = _ModuleTracker(model)
     origins = Origins(modules)
     marks = {}
@@ -489,14 +500,27 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
             return [t for _, t in named]
 
         per_micro = []  # accumulating: the k losses, an output beside their sum
-        if steps == 1:
+        marks["micro"], marks["reduce"] = [], []
+        if devices > 1:
+            losses, per_device = [], []
+            for m, fakes in enumerate(split(batch_fakes, devices)):
+                start = _ModuleTracker.node_count()
+                losses.append(micro_loss(fakes))
+                per_device.append(torch.autograd.grad(losses[-1], train, allow_unused=True) if train else ())
+                marks["micro"].append((start, _ModuleTracker.node_count(), m))
+            origins.mark(_ModuleTracker.node_count(), None)  # the backward passes end here
+            grads = averaged_gradients(per_device, marks["reduce"], _ModuleTracker.node_count)
+            loss, stacked = mean_loss(losses)
+            per_micro = [stacked]
+        elif steps == 1:
             loss = micro_loss(batch_fakes)
             grads = torch.autograd.grad(loss, train, allow_unused=True) if train else ()
         else:
             losses, grads = accumulate(micro_loss, train, split(batch_fakes, steps))
             loss, stacked = loss_outputs(losses)
             per_micro = [stacked]
-        origins.mark(_ModuleTracker.node_count(), None)  # the backward passes end here
+        if devices == 1:
+            origins.mark(_ModuleTracker.node_count(), None)  # the backward passes end here
         if max_grad_norm is not None:
             grads = clipped_gradients(grads, max_grad_norm, norm_type)  # the accumulated gradients, as eager clips
         marks["has_grad"] = [g is not None for g in grads]
@@ -522,10 +546,10 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     for prefix, tensors, kind in groups:
         for name, tensor in tensors.items():
             inputs.append((f"{prefix}:{name}", kind, tensor))
-    for micro in range(steps):
+    for micro in range(micros):
         for i, j in enumerate(order):
             if isinstance(leaves[j], torch.Tensor):
-                inputs.append((f"batch:{micro_prefix(micro, steps)}{leaf_names[i]}", ValueKind.BATCH, leaves[j]))
+                inputs.append((f"batch:{micro_prefix(micro, micros)}{leaf_names[i]}", ValueKind.BATCH, leaves[j]))
     if len(inputs) != len(placeholders):
         raise RuntimeError(f"traced {len(placeholders)} inputs, expected {len(inputs)}")
     input_vid = {}
@@ -567,7 +591,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
         return tg
     loss_node, *grad_nodes = out_node.args[0]
     tg.outputs["loss"] = reader.dense_value(reader.template(loss_node))
-    if steps > 1:
+    if micros > 1:
         losses_node, *grad_nodes = grad_nodes
         tg.outputs["losses"] = reader.dense_value(reader.template(losses_node))
     grad_iter = iter(grad_nodes)
@@ -580,6 +604,12 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     else:
         append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid,
                           fused=device.type == "cuda" if fused_optimizer is None else fused_optimizer)
+    if devices > 1:
+        def spanned(spans):
+            return {vid: tag for vid, node in reader.vertex_nodes.items()
+                    for start, end, tag in spans if start <= node < end}
+        tg = place_on_devices(tg, devices, spanned(marks["micro"]), spanned(marks["reduce"]),
+                              [input_vid[f"param:{name}"] for name in trainable])
     tg = run_passes(tg, step_passes(loss_blocks=loss_blocks, donate=donate))
     log.info("traced %d vertices, %d values", len(tg.vertices), len(tg.values))
     return tg

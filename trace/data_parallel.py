@@ -1,0 +1,330 @@
+"""Data parallelism on the devices of one host, traced into one TaskGraph (compile's ``devices=``).
+
+The step of ``compile(..., devices=N)`` is eager's
+
+    opt.zero_grad()
+    for b in micro_batches:             # one per device, in device order
+        loss_fn(model, b).backward()    # gradients accumulate: g = g_0 + g_1 + ... + g_{N-1}
+    for p in model.parameters():
+        p.grad /= N                     # DDP's averaging
+    clip_grad_norm_(...); opt.step()
+
+traced as it runs, each micro-batch's forward and backward on its own device. Its arithmetic is
+that loop's exactly: each micro-batch's gradients are computed alone (autograd.grad), then added
+in device order into the device that owns the parameter's update and divided by N there, as the
+loop's AccumulateGrad and ``/=`` do. DDP sums with NCCL in an order of its own, so on CUDA the
+step equals DDP within float tolerance and this loop bitwise (the CPU backend, virtual devices).
+
+`place_on_devices` then gives every vertex and value a device:
+
+- micro-batch m's forward and backward vertices (and its batch inputs) run on device m;
+- each trainable parameter has an owner (`owners`: the optimizer's update units, cut into N runs of
+  about equal bytes in program order): its gradient sum, its update and its optimizer states live
+  there;
+- every other device that reads a weight reads a replica of its own, a persistent value on that
+  device, refreshed after the update by a copy from the owner (DDP keeps every weight everywhere
+  too; sharded weights gathered on use are the planner's next option, not built yet);
+- a buffer the step updates in place (BatchNorm's statistics) is updated by each micro-batch in
+  turn, as eager's loop does, moving from device to device;
+- any other vertex runs where its largest input lives, and a value read on another device than its
+  own is copied there by a transfer vertex (``_to_copy`` on the reader's device).
+
+Last, the program order interleaves the devices (position i of every device's micro-batch before
+position i + 1 of any), so each gradient's sum follows its last backward at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+
+import torch
+
+from ..ir.taskgraph import TaskGraph, TensorRef, ValueKind, Vertex, map_refs
+from .errors import UnsupportedFeature
+
+log = logging.getLogger(__name__)
+
+def read_devices(device: torch.device, devices) -> int:
+    """How many devices of `device`'s kind compile's ``devices=`` names, checked: N, or a list of
+    devices of one kind numbered 0..N-1 (the engine numbers arenas so). On CUDA every one must exist
+    and all must be the same model with the same memory, since every device gets the same budget.
+    Virtual CPU devices ("cpu" N times, or N) share the host: each has its own arena and streams."""
+    if devices is None:
+        return 1
+    if isinstance(devices, (list, tuple)):
+        named = [torch.device(d) for d in devices]
+        kinds = {d.type for d in named}
+        if len(kinds) != 1 or device.type not in kinds:
+            raise UnsupportedFeature(f"devices {[str(d) for d in named]} must all be of the kind of device "
+                                     f"{str(device)!r}")
+        if device.type == "cuda" and [d.index for d in named] != list(range(len(named))):
+            raise UnsupportedFeature(f"devices {[str(d) for d in named]}: the engine numbers a step's GPUs from "
+                                     f"cuda:0, so give cuda:0 ... cuda:{len(named) - 1} (choose others with "
+                                     f"CUDA_VISIBLE_DEVICES)")
+        devices = len(named)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise UnsupportedFeature(f"devices must be a positive number of devices or a list of them, got {devices!r}")
+    if device.type == "cuda" and devices > 1:
+        present = torch.cuda.device_count()
+        if devices > present:
+            raise UnsupportedFeature(f"devices={devices} GPUs were asked for and this host has {present}: "
+                                     f"compile with devices={present} or fewer")
+        props = [torch.cuda.get_device_properties(i) for i in range(devices)]
+        kinds = {(p.name, p.total_memory) for p in props}
+        if len(kinds) > 1:
+            raise UnsupportedFeature(f"the GPUs differ ({', '.join(f'cuda:{i} {p.name} {p.total_memory >> 20} MiB' for i, p in enumerate(props))}): "
+                                     f"every device gets the same budget, so they must be alike; choose alike ones "
+                                     f"with CUDA_VISIBLE_DEVICES")
+    return devices
+
+
+def check_devices(devices: int, accumulation_steps: int, backward: bool) -> int:
+    """The number of devices a step runs on, checked against what the trace supports with it."""
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise UnsupportedFeature(f"devices must be a positive number of devices, got {devices!r}")
+    if devices > 1 and accumulation_steps > 1:
+        raise UnsupportedFeature("devices > 1 with accumulation_steps > 1 is not supported yet: give each device "
+                                 "a larger micro-batch, or compile for one device with accumulation")
+    if devices > 1 and not backward:
+        raise UnsupportedFeature("a forward-only step (backward=False) runs on one device: compile one per device")
+    return devices
+
+
+def averaged_gradients(per_device: list[tuple], marks: list, node_count) -> tuple:
+    """Eager's accumulation of the devices' gradients (in device order), then DDP's division by
+    their count, traced parameter by parameter; marks gets (first node, end node, parameter index)
+    of each parameter's sum, which `place_on_devices` puts on the parameter's owner."""
+    count = len(per_device)
+    averaged = []
+    for i in range(len(per_device[0])):
+        start = node_count()
+        present = [grads[i] for grads in per_device if grads[i] is not None]
+        total = None
+        if present:
+            total = present[0]
+            for g in present[1:]:
+                total = total + g
+            total = total / count
+        marks.append((start, node_count(), i))
+        averaged.append(total)
+    return tuple(averaged)
+
+
+def mean_loss(losses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the devices' losses summed in order and divided by their count; the losses stacked)."""
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total / len(losses), torch.stack(losses)
+
+
+class _Units:
+    """Union-find over value ids: the values one optimizer update touches together."""
+
+    def __init__(self) -> None:
+        self.parent: dict[int, int] = {}
+
+    def find(self, x: int) -> int:
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a: int, b: int) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+def owners(tg: TaskGraph, params: list[int], count: int) -> dict[int, int]:
+    """The device that owns each persistent value an update writes (parameters, optimizer states)
+    and each parameter: update units (values joined by optimizer vertices, through anything but
+    0-dimensional values such as the shared step counter) in the order of their parameters, cut
+    into `count` contiguous runs of about equal bytes."""
+    units = _Units()
+    for vertex in tg.vertices:
+        if vertex.phase != "optimizer":
+            continue
+        touched = [x for x in [*vertex.inputs(), *(o for o in vertex.outputs if o >= 0)]
+                   if len(tg.values[x].shape) > 0]
+        for x in touched[1:]:
+            units.union(touched[0], x)
+    for old, new in tg.bindings.items():  # a state's update reaches its home through its binding
+        if len(tg.values[old].shape) > 0 and new in units.parent:
+            units.union(old, new)
+    members: dict[int, list[int]] = {}
+    order: list[int] = []
+    for p in params:
+        root = units.find(p)
+        if root not in members:
+            members[root] = []
+            order.append(root)
+    for x in list(units.parent):
+        root = units.find(x)
+        if root in members and tg.values[x].kind.is_persistent:
+            members[root].append(x)
+    sizes = [sum(tg.values[x].nbytes for x in set(members[r])) for r in order]
+    total = sum(sizes) or 1
+    owner: dict[int, int] = {}
+    done = 0
+    for root, size in zip(order, sizes):
+        device = min(count - 1, (done + size // 2) * count // total)
+        done += size
+        for x in members[root]:
+            owner[x] = device
+    return owner
+
+
+def place_on_devices(tg: TaskGraph, count: int, micro_of: dict[int, int], reduce_of: dict[int, int],
+                     params: list[int]) -> TaskGraph:
+    """The TaskGraph of one device's step with every vertex and value on one of `count` devices.
+    micro_of: vertex -> the micro-batch (device) whose forward or backward made it; reduce_of:
+    vertex -> index into `params` of the parameter whose gradient sum it is part of."""
+    owner = owners(tg, params, count)
+    produced_by_update = {new for new in tg.bindings.values()
+                          if tg.values[new].producer >= 0 and tg.vertices[tg.values[new].producer].phase == "optimizer"}
+    trained = {old for old, new in tg.bindings.items() if new in produced_by_update and tg.values[old].kind is ValueKind.PARAMETER}
+    mutated = set(tg.bindings) - trained  # optimizer states, BatchNorm statistics, the step counter
+
+    # -- devices of inputs and vertices --------------------------------------------------------------
+    per_micro = len(tg.batch_inputs) // count
+    for m in range(count):
+        for vid in tg.batch_inputs[m * per_micro:(m + 1) * per_micro]:
+            tg.values[vid].device = m
+    for val in tg.values:
+        if val.kind.is_persistent:
+            val.device = owner.get(val.id, 0)
+    replicated = {v.id for v in tg.values if v.kind.is_persistent and v.id not in mutated}
+    for vertex in tg.vertices:
+        if vertex.id in micro_of:
+            vertex.device = micro_of[vertex.id]
+        elif vertex.id in reduce_of:
+            vertex.device = owner[params[reduce_of[vertex.id]]]
+        elif vertex.phase == "optimizer":
+            written = [old for old, _ in vertex.copy_in if old in owner] + \
+                      [o for o in vertex.outputs if o >= 0 and o in owner]
+            vertex.device = owner[written[0]] if written else _largest_input(tg, vertex, replicated)
+        else:
+            vertex.device = _largest_input(tg, vertex, replicated)
+        for out in vertex.outputs:
+            if out >= 0:
+                tg.values[out].device = vertex.device
+
+    # -- replicas, transfers, bindings back home --------------------------------------------------------
+    out = TaskGraph(**{f: getattr(tg, f) for f in ("values", "outputs", "bindings", "optimizer", "device",
+                                                    "batch_inputs", "batch_spec", "batch_constants",
+                                                    "accumulation_steps", "initial_state", "state_names",
+                                                    "runtime_reserve")})
+    out.devices = count
+    out.vertices = []
+    replica: dict[tuple[int, int], int] = {}  # (persistent value, device) -> its replica there
+    moved: dict[tuple[int, int], int] = {}  # (value, device) -> its transferred copy there
+
+    def copy_of(vid: int, device: int, vertex: Vertex) -> int:
+        val = tg.values[vid]
+        if vid in replicated:
+            key = (vid, device)
+            if key not in replica:
+                replica[key] = out.add_value(val.shape, val.stride, val.dtype, val.nbytes, ValueKind.FROZEN,
+                                             name=f"replica{device}:{val.name}", device=device)
+                out.initial_state[replica[key]] = tg.initial_state[vid]
+            return replica[key]
+        key = (vid, device)
+        if key not in moved:
+            moved[key] = out.add_value(val.shape, val.stride, val.dtype, val.nbytes, device=device)
+            out.add_vertex("aten::_to_copy", (val.dense_ref,), {}, (moved[key],), module=vertex.module,
+                           phase=vertex.phase, device=device)
+        return moved[key]
+
+    micro_at: dict[int, int] = {}  # micro_of, by the ids of `out`
+    for vertex in tg.vertices:
+        rename = {x: copy_of(x, vertex.device, vertex) for x in vertex.inputs()
+                  if tg.values[x].device != vertex.device}
+        new_id = out.add_copy(_renamed(vertex, rename) if rename else vertex)
+        if vertex.id in micro_of:
+            micro_at[new_id] = micro_of[vertex.id]
+    for old in list(out.bindings):
+        new = out.bindings[old]
+        home = out.values[old].device
+        if out.values[new].device != home:  # a buffer last updated on another device goes home
+            out.bindings[old] = copy_of(new, home, out.vertices[out.values[new].producer])
+    for (vid, device), rep in sorted(replica.items()):
+        if vid in trained:  # the replica takes the updated weight once the owner has it
+            new = out.bindings[vid]
+            val = out.values[rep]
+            fresh = out.add_value(val.shape, val.stride, val.dtype, val.nbytes, device=device)
+            out.add_vertex("aten::copy_", (TensorRef(fresh, val.shape, val.stride, 0), out.values[new].dense_ref),
+                           {}, (fresh,), module=out.vertices[out.values[new].producer].module, phase="optimizer",
+                           copy_in=((rep, fresh),), device=device)
+            out.bindings[rep] = fresh
+    return _interleaved(out, micro_at, count)
+
+
+def _largest_input(tg: TaskGraph, vertex: Vertex, replicated: set[int]) -> int:
+    """Where a vertex no rule places runs: the device of its largest input (replicated weights are
+    everywhere and do not count; ties go to the lower device; no input: device 0)."""
+    best, device = -1, 0
+    for x in vertex.inputs():
+        if x in replicated:
+            continue
+        val = tg.values[x]
+        if val.nbytes > best or (val.nbytes == best and val.device < device):
+            best, device = val.nbytes, val.device
+    return device
+
+
+def _renamed(vertex: Vertex, rename: dict[int, int]) -> Vertex:
+    def ref(r: TensorRef) -> TensorRef:
+        return TensorRef(rename.get(r.value, r.value), r.size, r.stride, r.storage_offset)
+
+    return dataclasses.replace(vertex, args=map_refs(vertex.args, ref), kwargs=map_refs(vertex.kwargs, ref),
+                               copy_in=tuple((rename.get(a, a), b) for a, b in vertex.copy_in))
+
+
+def _interleaved(tg: TaskGraph, micro_of: dict[int, int], count: int) -> TaskGraph:
+    """The vertices renumbered in an order that interleaves the devices: a topological order
+    taking, among ready vertices, the one of the earliest position within its micro-batch (other
+    vertices take the latest position of what they read), then the lower device, then the
+    earlier in program order."""
+    produced = {o: v.id for v in tg.vertices for o in v.outputs if o >= 0}
+    local: dict[int, int] = {}
+    seen = [0] * count
+    rank: dict[int, int] = {}
+    waits: dict[int, set[int]] = {}
+    for vertex in tg.vertices:
+        preds = {produced[x] for x in vertex.inputs() if x in produced}
+        waits[vertex.id] = preds
+        if vertex.id in micro_of:
+            m = micro_of[vertex.id]
+            local[vertex.id] = seen[m]
+            seen[m] += 1
+            rank[vertex.id] = local[vertex.id]
+        else:
+            rank[vertex.id] = max((rank[p] for p in preds), default=0)
+    users: dict[int, list[int]] = {v.id: [] for v in tg.vertices}
+    for vid, preds in waits.items():
+        for p in preds:
+            users[p].append(vid)
+    pending = {vid: len(preds) for vid, preds in waits.items()}
+    ready = [(rank[v], tg.vertices[v].device, v) for v, n in pending.items() if n == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        _, _, vid = heapq.heappop(ready)
+        order.append(vid)
+        for u in users[vid]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                heapq.heappush(ready, (rank[u], tg.vertices[u].device, u))
+    if len(order) != len(tg.vertices):
+        raise RuntimeError("the traced step has a cycle")  # a trace is a program: it cannot
+    out = TaskGraph(**{f: getattr(tg, f) for f in ("values", "outputs", "bindings", "optimizer", "device",
+                                                    "batch_inputs", "batch_spec", "batch_constants",
+                                                    "accumulation_steps", "initial_state", "state_names",
+                                                    "runtime_reserve", "devices")})
+    out.vertices = []
+    for vid in order:
+        out.add_copy(tg.vertices[vid])
+    return out
+
