@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..ir.taskgraph import ScalarRef, TaskGraph, TensorRef, Vertex
 from ..kernels.launch import writes_in_place
 from ..kernels.ops import resolve_op
