@@ -92,6 +92,12 @@ class _Verifier:
                 if stray:
                     self.report("structure", f"compute #{i} on stream {v.stream.value} places values {stray[:5]} "
                                              f"outside the {where} storage")
+                # a kernel touches its own device's arena only; a transfer reads another's
+                places = [p for p in v.writes.values() if p.where == "gpu"] + \
+                         ([] if v.stream is Stream.D2D else [p for p in v.reads.values() if p.where == "gpu"])
+                if len({p.device for p in places}) > 1:
+                    self.report("structure", f"compute #{i} ({v.stream.value}) touches the arenas of devices "
+                                             f"{sorted({p.device for p in places})}")
         self.edge_kind: dict[tuple[int, int], Edge] = {}
         self.preds: list[list[int]] = [[] for _ in range(n)]
         for src, dst, kind in mg.edges:

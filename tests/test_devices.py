@@ -1,0 +1,181 @@
+"""Several devices in one MemGraph (compile's devices=, trace/data_parallel.py) on the CPU backend's
+virtual devices: bitwise equal to eager accumulating the devices' micro-batches in device order with
+every gradient then divided by their count (DDP's averaging), for every ordering and budget."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from cases import make_case
+
+from turnip import engine, memgraph
+from turnip.ir.batch import BatchError
+from turnip.ir.memgraph import Stream
+from turnip.trace.errors import UnsupportedFeature
+
+
+def eager_data_parallel(model, loss_fn, steps: list[list], make_opt, max_grad_norm=None):
+    """The reference: per step, each device's micro-batch forward and backward accumulated in
+    device order, every gradient divided by the device count, clipping, one update."""
+    model = copy.deepcopy(model)
+    opt = make_opt(model.parameters())
+    losses = []
+    for micro_batches in steps:
+        opt.zero_grad()
+        step_losses = []
+        for batch in micro_batches:
+            loss = loss_fn(model, batch)
+            loss.backward()
+            step_losses.append(loss.detach())
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= len(micro_batches)
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        losses.append(torch.stack(step_losses))
+    return model.state_dict(), losses
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+def per_device(batches: list, devices: int, steps: int = 2) -> list[list]:
+    return [[batches[(s * devices + d) % len(batches)] for d in range(devices)] for s in range(steps)]
+
+
+@pytest.fixture(scope="module")
+def gpt_case():
+    return make_case("gpt")
+
+
+def compiled(case, devices: int, budget=None, max_grad_norm=None):
+    model, loss_fn, batches = case
+    model = copy.deepcopy(model)
+    return memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(model.parameters()), device="cpu",
+                            devices=devices, budget=budget, max_grad_norm=max_grad_norm, verbose=False)
+
+
+def assert_matches_eager(mg, case, devices, ordering="nondeterministic", seed=None, max_grad_norm=None):
+    model, loss_fn, batches = case
+    steps = per_device(batches, devices)
+    want_state, want_losses = eager_data_parallel(model, loss_fn, steps, adamw, max_grad_norm)
+    for micro_batches, want in zip(steps, want_losses):
+        if devices == 1:  # the ordinary step: one batch, one loss
+            assert torch.equal(engine.run(mg, micro_batches[0], ordering=ordering, seed=seed)["loss"], want[0])
+            continue
+        out = engine.run(mg, micro_batches, ordering=ordering, seed=seed)
+        assert torch.equal(out["losses"], want)
+        mean = want[0]
+        for loss in want[1:]:
+            mean = mean + loss
+        assert torch.equal(out["loss"], mean / devices)
+    got = mg.state_dict()
+    for key, tensor in want_state.items():
+        assert torch.equal(got[key], tensor), key
+    mg.release(keep=False)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3])
+@pytest.mark.parametrize("ordering", ["deterministic", "nondeterministic", "random"])
+def test_gpt_on_virtual_devices_is_eagers_averaged_accumulation_bitwise(gpt_case, devices, ordering):
+    mg = compiled(gpt_case, devices)
+    assert memgraph.verify(mg) == []
+    assert mg.taskgraph.devices == devices
+    assert_matches_eager(mg, gpt_case, devices, ordering, seed=7 if ordering == "random" else None)
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.62])
+def test_smaller_budgets_evict_per_device_and_stay_bitwise(gpt_case, fraction):
+    whole = compiled(gpt_case, 2)
+    peak = whole.stats["unplanned_peak"]
+    mg = compiled(gpt_case, 2, budget=fraction)
+    assert memgraph.verify(mg) == []
+    assert mg.arena_bytes + mg.taskgraph.step_workspace() <= int(fraction * peak)
+    assert mg.summary()["bytes_offloaded"] > 0  # the budget really bites
+    for ordering in ("deterministic", "random"):
+        assert_matches_eager(mg, gpt_case, 2, ordering, seed=3)
+
+
+def test_clipping_sees_the_averaged_gradient(gpt_case):
+    mg = compiled(gpt_case, 2, max_grad_norm=0.05)
+    assert_matches_eager(mg, gpt_case, 2, max_grad_norm=0.05)
+
+
+def test_every_vertex_runs_where_its_values_live(gpt_case):
+    mg = compiled(gpt_case, 3)
+    tg = mg.taskgraph
+    transfers = 0
+    for v in tg.vertices:
+        source = tg.transfer_source(v)
+        transfers += source is not None
+        for x in v.inputs():
+            assert tg.values[x].device == v.device or x == source, (v.id, v.op, x)
+    assert transfers > 0
+    lanes = {(mv.stream, p.device) for mv in mg.vertices for p in mv.writes.values() if p.where == "gpu"}
+    assert {d for s, d in lanes if s is Stream.COMPUTE} == {0, 1, 2}
+    assert {s for s, d in lanes} >= {Stream.COMPUTE, Stream.D2D}
+
+
+def test_updates_and_states_are_split_between_owners(gpt_case):
+    mg = compiled(gpt_case, 2)
+    tg = mg.taskgraph
+    state_bytes = [0, 0]
+    for v in tg.values:
+        if v.kind.value == "optimizer_state" and v.shape:
+            state_bytes[v.device] += v.nbytes
+    assert min(state_bytes) > 0.3 * sum(state_bytes)  # each device holds a share, not a copy
+    on = {v.device for v in tg.vertices if v.phase == "optimizer" and tg.transfer_source(v) is None}
+    assert on == {0, 1}
+
+
+def test_one_batch_with_twice_the_rows_is_split_between_the_devices(gpt_case):
+    model, loss_fn, batches = gpt_case
+    mg = compiled(gpt_case, 2)
+    a, b = batches[0], batches[1]
+    joined = torch.cat([a, b]) if isinstance(a, torch.Tensor) else type(a)(torch.cat(p) for p in zip(a, b))
+    first = engine.run(mg, joined)["losses"]
+    mg.release(keep=False)
+    assert torch.equal(first, engine.run(mg, [a, b])["losses"])
+    with pytest.raises(BatchError, match="2 x"):
+        engine.run(mg, a)  # one device's rows only
+    with pytest.raises(BatchError, match="device 1 of 2"):
+        engine.run(mg, [a, a[:1] if isinstance(a, torch.Tensor) else type(a)(t[:1] for t in a)])
+
+
+def test_saved_and_loaded_keeps_its_devices(gpt_case, tmp_path):
+    mg = compiled(gpt_case, 2)
+    _, _, batches = gpt_case
+    engine.run(mg, [batches[0], batches[1]])
+    mg.save(tmp_path / "two.mg")
+    loaded = memgraph.load(tmp_path / "two.mg")
+    assert loaded.taskgraph.devices == 2
+    a = engine.run(mg, [batches[2], batches[0]])["loss"]
+    b = engine.run(loaded, [batches[2], batches[0]])["loss"]
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("devices, match", [(0, "positive"), ("two", "positive"), (["cpu", "cuda:0"], "kind")])
+def test_bad_devices_are_refused_before_tracing(devices, match):
+    model, loss_fn, batches = make_case("mlp")
+    with pytest.raises(UnsupportedFeature, match=match):
+        memgraph.compile(model, loss_fn, batches[0], device="cpu", devices=devices, verbose=False)
+
+
+def test_devices_with_accumulation_is_refused_clearly():
+    model, loss_fn, batches = make_case("mlp")
+    with pytest.raises(UnsupportedFeature, match="accumulation_steps"):
+        memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(model.parameters()), device="cpu", devices=2,
+                         accumulation_steps=2, verbose=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() > 64, reason="needs a host without 65 GPUs")
+def test_more_gpus_than_the_host_has_is_refused():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, loss_fn, batches = make_case("mlp", device="cuda")
+    with pytest.raises(UnsupportedFeature, match="GPUs were asked for"):
+        memgraph.compile(model, loss_fn, batches[0], device="cuda", devices=65, verbose=False)
