@@ -9,6 +9,8 @@
                                                           # model's full tables, split runs merged
     python -m turnip.bench soak [--tiny] [--budgets 0.5,0.25] [--steps 1000]   # memory and step time over many
                                                           # steps; fails on growth (its own options: soak -h)
+    python -m turnip.bench multi_gpu --devices 2 [--budgets 1.0,0.5,0.25] [--peers ddp,fsdp2]   # every GPU of the
+                                                          # host in one MemGraph (its own options: multi_gpu -h)
 
 Results go to bench/results/ (or $TURNIP_RESULTS, or --out).
 """
@@ -24,6 +26,7 @@ import torch
 
 from ..ir.budget import BudgetError
 from .ablation import main as ablation_main
+from .multi_gpu import main as multi_gpu_main
 from .options import planner_options
 from .results import load_suite_rows, result_path
 from .soak import main as soak_main
@@ -155,6 +158,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["soak"]:  # the soak has options of its own (python -m turnip.bench soak -h)
         return soak_main(argv[1:])
+    if argv[:1] == ["multi_gpu"]:  # so has the bench on several devices (python -m turnip.bench multi_gpu -h)
+        multi_gpu_main(argv[1:])
+        return 0
     parser = argparse.ArgumentParser(prog="python -m turnip.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["suite", "ablation", "plots", "table", "soak"])

@@ -117,7 +117,8 @@ class CudaRuntime(Runtime):
         self._started: list[int] = []  # this step's units handed to a GPU stream (their work may run)
         self._host_token = StepToken()  # this step's host-lane units
         self._rng_before: torch.Tensor | None = None  # the generator's state before the step moved it
-        torch.cuda.synchronize()  # the initial state was written on the default stream
+        for dev in self.devices:  # the initial state was written on each device's default stream
+            torch.cuda.synchronize(dev)
 
     def _allocate(self, mg: MemGraph) -> None:
         for dev in self.devices:

@@ -3,14 +3,17 @@
 Launching a vertex from Python costs the host 15-40 us; most kernels of a training step take
 less. Everything a MemGraph does is static (fixed arena places), so a run of compute vertices
 can be captured once and replayed as one CUDA graph. Which runs: a segment is a maximal run of
-consecutive compute vertices of mg.serial (other kinds skipped over) on one stream and device, such
-that only its first vertex has a predecessor that is not compute (a reload, an input) and only its
-last has a successor that is not compute (an offload, an output, a reload into bytes it freed).
+consecutive compute vertices of mg.serial on one stream and device (other kinds, and other devices'
+vertices, skipped over), such that only its first vertex has a predecessor that is not compute (a
+reload, an input, a transfer from another device) and only its last has a successor that is not
+compute (an offload, an output, a reload into bytes it freed, a transfer to another device).
 
 Why that is safe: contracting such a run into one vertex keeps the graph acyclic. A path leaving
 the run and coming back would start at a member with an edge to an outsider; the outsider cannot be
 a transfer (only the last member has one as successor, and nothing of the run comes after it) nor a
-compute vertex (every compute vertex between two members in the serial order is a member). And it
+compute vertex of its device (every one between two members in the serial order is a member) nor
+of another device (no edge joins two devices' kernels: they share no bytes, and their data moves by
+transfer vertices). And it
 costs the runtime little choice: transfers still start the moment their compute is done, compute
 that waits for a reload is never held back by one it does not need.
 
@@ -47,9 +50,9 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
         return mv.stream, places[0].device if places else 0
 
     segments: list[list[int]] = []
-    run: list[int] = []
+    runs: dict[tuple, list[int]] = {}  # one open run per stream and device
 
-    def close() -> None:
+    def close(run: list[int]) -> None:
         if len(run) >= min_size:
             segments.append(list(run))
         run.clear()
@@ -57,16 +60,19 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
     for vid in mg.serial:
         if not compute[vid]:
             continue
+        run = runs.setdefault(lane(vid), [])
         alone = tasks[vertices[vid].task_vertex].random
-        if run and (alone or enters_from_outside[vid] or lane(vid) != lane(run[0])
-                    or (max_size is not None and len(run) >= max_size)):
-            close()
+        if run and (alone or enters_from_outside[vid] or (max_size is not None and len(run) >= max_size)):
+            close(run)
         if alone:
             continue
         run.append(vid)
         if leaves_to_outside[vid]:
-            close()
-    close()
+            close(run)
+    for run in runs.values():
+        close(run)
+    position = {vid: k for k, vid in enumerate(mg.serial)}
+    segments.sort(key=lambda seg: position[seg[0]])  # in the serial order of their first vertices
     return segments
 
 

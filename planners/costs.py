@@ -353,7 +353,7 @@ class CostModel:
     def d2d_bandwidth(self) -> float:
         """Bytes/s of a copy from one GPU to another: measured between the first two devices when
         there are two, else the spec's."""
-        if not self._measures_device() or torch.cuda.device_count() < 2:
+        if not self._measures_device or torch.cuda.device_count() < 2:
             return self.spec.d2d
         return self._cached_rate("d2d", lambda: {"d2d": measure.measure_d2d("cuda:0", "cuda:1")})
 

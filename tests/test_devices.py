@@ -9,11 +9,11 @@ import copy
 import pytest
 import torch
 from cases import make_case
-
-from turnip import engine, memgraph
 from turnip.ir.batch import BatchError
 from turnip.ir.memgraph import Stream
 from turnip.trace.errors import UnsupportedFeature
+
+from turnip import engine, memgraph
 
 
 def eager_data_parallel(model, loss_fn, steps: list[list], make_opt, max_grad_norm=None):
@@ -133,7 +133,7 @@ def test_updates_and_states_are_split_between_owners(gpt_case):
 
 
 def test_one_batch_with_twice_the_rows_is_split_between_the_devices(gpt_case):
-    model, loss_fn, batches = gpt_case
+    _, _, batches = gpt_case
     mg = compiled(gpt_case, 2)
     a, b = batches[0], batches[1]
     joined = torch.cat([a, b]) if isinstance(a, torch.Tensor) else type(a)(torch.cat(p) for p in zip(a, b))
@@ -179,3 +179,17 @@ def test_more_gpus_than_the_host_has_is_refused():
     model, loss_fn, batches = make_case("mlp", device="cuda")
     with pytest.raises(UnsupportedFeature, match="GPUs were asked for"):
         memgraph.compile(model, loss_fn, batches[0], device="cuda", devices=65, verbose=False)
+
+
+def test_segments_stay_on_one_device_and_launch_as_units(gpt_case):
+    from turnip.memgraph.segments import find_segments, segment_problems
+
+    mg = compiled(gpt_case, 2)
+    segments = find_segments(mg)
+    assert segments  # the devices interleave in the serial order: runs are kept per device
+    for seg in segments:
+        devices = {p.device for vid in seg for p in mg.vertices[vid].writes.values() if p.where == "gpu"}
+        assert len(devices) == 1
+    mg.segments = segments
+    assert segment_problems(mg) == []
+    assert memgraph.verify(mg) == []

@@ -283,8 +283,8 @@ def _renamed(vertex: Vertex, rename: dict[int, int]) -> Vertex:
 
 
 def _interleaved(tg: TaskGraph, micro_of: dict[int, int], count: int) -> TaskGraph:
-    """The vertices renumbered in an order that interleaves the devices: a topological order
-    taking, among ready vertices, the one of the earliest position within its micro-batch (other
+    """The vertices renumbered in an order that interleaves the devices: a topological order (data,
+    and in-place writers after the other readers of what they overwrite) taking, among ready vertices, the one of the earliest position within its micro-batch (other
     vertices take the latest position of what they read), then the lower device, then the
     earlier in program order."""
     produced = {o: v.id for v in tg.vertices for o in v.outputs if o >= 0}
@@ -292,8 +292,15 @@ def _interleaved(tg: TaskGraph, micro_of: dict[int, int], count: int) -> TaskGra
     seen = [0] * count
     rank: dict[int, int] = {}
     waits: dict[int, set[int]] = {}
+    readers: dict[int, list[int]] = {}
+    for vertex in tg.vertices:
+        for x in vertex.inputs():
+            readers.setdefault(x, []).append(vertex.id)
     for vertex in tg.vertices:
         preds = {produced[x] for x in vertex.inputs() if x in produced}
+        # an in-place op goes after every other reader of the version it overwrites, so it can write over
+        # it (the builder's in-place rule; an update of a weight in its home); the trace's order had it so
+        preds.update(r for old, _ in vertex.copy_in for r in readers.get(old, ()) if r != vertex.id)
         waits[vertex.id] = preds
         if vertex.id in micro_of:
             m = micro_of[vertex.id]

@@ -1,0 +1,152 @@
+"""turnip on every GPU of a host (compile's devices=N) beside eager on one GPU and, where
+bench/peers/distributed.py is importable, the peers users run on N GPUs (DDP, FSDP2, ...), each in
+its own torchrun.
+
+    python -m turnip.bench multi_gpu --devices 2 --model gpt1.3b --budgets 100%,50%,25%,20%,10%
+    python -m turnip.bench multi_gpu --devices 3 --tiny --device cpu      # virtual CPU devices, < 1 min
+
+Budgets are per device, fractions of single-GPU eager's peak (``AdamW()``, measured first in the same
+run), as in the single-GPU suite. Every row records its device count, the median step, the spread,
+each device's peak (turnip rows: the most any one device held), the simulator's prediction and the
+bytes each step moves between devices and to and from the host. Results: one JSON file under
+bench/results/ (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .. import engine, memgraph
+from ..engine.timing_sim import simulate, transfer_bytes
+from ..ir.budget import format_bytes
+from ..ir.memgraph import Stream
+from ..planners.costs import CostModel
+from .models.sizes import make_workload
+from .peers import eager
+from .peers.common import OK, PeerResult, Workload, is_cuda, release_memory, timed_steps, trainable
+from .results import result_path
+
+log = logging.getLogger(__name__)
+
+
+def device_peaks(device_type: str, count: int) -> list[int | None]:
+    """Each device's peak reserved bytes since the last reset (None on the CPU)."""
+    if device_type != "cuda":
+        return [None] * count
+    return [int(torch.cuda.max_memory_reserved(d)) for d in range(count)]
+
+
+def reset_peaks(device_type: str, count: int) -> None:
+    if device_type == "cuda":
+        for d in range(count):
+            torch.cuda.synchronize(d)
+            torch.cuda.reset_peak_memory_stats(d)
+
+
+def d2d_bytes(mg) -> int:
+    """Bytes copied between devices per step (the transfer vertices' writes)."""
+    return sum(p.nbytes for mv in mg.vertices if mv.stream is Stream.D2D for p in mv.writes.values())
+
+
+def run_turnip(workload: Workload, device_type: str, devices: int, budget: float, eager_peak: int | None,
+               steps: int, warmup: int) -> dict:
+    """One turnip row: compile for `devices` devices within `budget` (a fraction of eager_peak per
+    device, or of the unplanned peak without one), time the steps, read each device's peak."""
+    result = PeerResult("turnip", extra={"devices": devices, "budget": budget})
+    arg = int(budget * eager_peak) if eager_peak else budget
+    model = workload.model
+    optimizer = workload.optimizer(trainable(model))
+    # one device's batch per device, from host memory: each INPUT vertex copies it into its own device
+    batch = [workload.batch_on("cpu") for _ in range(devices)] if devices > 1 else workload.batch_on(device_type)
+    started = time.perf_counter()
+    try:
+        mg = memgraph.compile(model, workload.loss_fn, workload.batch_on(device_type), optimizer=optimizer,
+                              budget=arg, device=device_type, devices=devices, verbose=False)
+    except memgraph.InfeasibleBudget as exc:
+        result.status, result.error = "infeasible", str(exc)[:600]
+        return result.row()
+    result.extra.update(compile_s=time.perf_counter() - started, budget_bytes=mg.plan.gpu_budget,
+                        arena_bytes=mg.arena_bytes, cpu_bytes=mg.cpu_bytes, vertices=len(mg.vertices),
+                        segments=len(mg.segments), bytes_d2d=d2d_bytes(mg), planner=mg.plan.planner,
+                        unplanned_peak=mg.stats.get("unplanned_peak"))
+    release_memory(device_type)
+    reset_peaks(device_type, devices)
+    timed_steps(result, lambda: engine.run(mg, batch)["loss"], steps, device_type, warmup=warmup)
+    peaks = device_peaks(device_type, devices)
+    result.extra["peak_reserved_per_device"] = peaks
+    result.peak_reserved = max(peaks) if peaks[0] is not None else None
+    result.bytes_h2d, result.bytes_d2h = transfer_bytes(mg)
+    mg.release(keep=False)
+    try:
+        costs = CostModel(device=device_type)
+        if any(v.time <= 0 for v in mg.taskgraph.vertices):
+            costs.annotate(mg.taskgraph)
+        result.extra["sim_step_s"] = simulate(mg, costs, backend="cuda").step_time
+    except Exception as exc:  # noqa: BLE001 - the measured steps stand without a prediction
+        log.warning("simulation failed: %r", exc)
+    release_memory(device_type)
+    return result.row()
+
+
+def run_eager(workload: Workload, device_type: str, steps: int, warmup: int, fused: bool) -> dict:
+    """Eager on one device (its AdamW, or AdamW(fused=True)): the single-GPU reference row."""
+    kw = {}
+    if fused:
+        kw["make_optimizer"] = lambda params: torch.optim.AdamW(params, **{**workload.optimizer.kwargs, "fused": True})
+    result = eager.run_with("eager-fused" if fused else "eager", workload, device_type, steps, warmup=warmup, **kw)
+    result.extra["devices"] = 1
+    release_memory(device_type)
+    return result.row()
+
+
+def run_peers(model: str, devices: int, systems: list[str], steps: int, limit_s: float, tiny: bool) -> list[dict]:
+    """The N-GPU peers, each in its own torchrun (bench/peers/distributed.py)."""
+    from .peers import distributed
+
+    rows = []
+    for system in systems:
+        log.info("peer %s on %d devices", system, devices)
+        rows.append(distributed.run_distributed(system, model, devices, steps=steps, limit_s=limit_s, tiny=tiny))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="python -m turnip.bench multi_gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--model", default="gpt1.3b")
+    parser.add_argument("--tiny", action="store_true", help="the model's tiny configuration (CPU, CI)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--budgets", default="1.0,0.5,0.25,0.2,0.1", help="fractions of one-GPU eager's peak")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--peers", default="", help="comma-separated systems of bench/peers/distributed.py")
+    parser.add_argument("--peer-limit", type=float, default=240.0, help="seconds each peer may run")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    workload = make_workload(args.model, tiny=args.tiny)
+    rows = [run_eager(workload, args.device, args.steps, args.warmup, fused=False)]
+    if is_cuda(args.device):
+        rows.append(run_eager(workload, args.device, args.steps, args.warmup, fused=True))
+    eager_peak = rows[0].get("peak_reserved") if rows[0]["status"] == OK else None
+    for budget in [float(b.rstrip("%")) / (100 if b.endswith("%") else 1) for b in args.budgets.split(",") if b]:
+        row = run_turnip(workload, args.device, args.devices, budget, eager_peak, args.steps, args.warmup)
+        rows.append(row)
+        log.info("turnip x%d @ %.0f%%: %s ms, peak %s per device", args.devices, budget * 100,
+                 f"{row['step_s_median'] * 1e3:.1f}" if row.get("step_s_median") else row.get("error"),
+                 format_bytes(row["peak_reserved"]) if row.get("peak_reserved") else "-")
+    if args.peers:
+        rows += run_peers(args.model, args.devices, args.peers.split(","), args.steps, args.peer_limit, args.tiny)
+    out = Path(args.out) if args.out else result_path(f"multi_gpu_{args.model}_x{args.devices}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": workload.name, "devices": args.devices, "device": args.device,
+                               "eager_peak": eager_peak, "info": workload.info, "rows": rows}, indent=1, default=str))
+    log.info("wrote %s", out)
+    return rows

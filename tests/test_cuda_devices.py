@@ -1,0 +1,45 @@
+"""Several GPUs in one MemGraph (compile's devices=): the step against eager accumulating the
+devices' micro-batches on one GPU with DDP's averaging, within the float tolerance that eager's own
+two runs of the same step differ by. Skipped without two CUDA devices."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from cases import make_case
+from test_devices import adamw, eager_data_parallel, per_device
+from turnip.ir.memgraph import Stream
+
+from turnip import engine, memgraph
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                reason="needs two CUDA devices")
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in b)
+
+
+@pytest.mark.parametrize("devices", [2, torch.cuda.device_count() if torch.cuda.is_available() else 2])
+@pytest.mark.parametrize("budget", [None, 0.7])
+def test_gpus_match_eager_averaged_accumulation(devices, budget):
+    model, loss_fn, batches = make_case("gpt", device="cuda")
+    steps = per_device(batches, devices, steps=3)
+    want, want_losses = eager_data_parallel(model, loss_fn, steps, adamw)
+    again, _ = eager_data_parallel(model, loss_fn, steps, adamw)
+    spread = _max_diff(again, want)  # eager against itself: the kernels' own run-to-run differences
+    mg = memgraph.compile(copy.deepcopy(model), loss_fn, batches[0], optimizer=adamw(model.parameters()),
+                          device="cuda", devices=devices, budget=budget, verbose=False)
+    assert memgraph.verify(mg) == []
+    assert {p.device for mv in mg.vertices for p in mv.writes.values() if p.where == "gpu"} == set(range(devices))
+    assert any(mv.stream is Stream.D2D for mv in mg.vertices)
+    for micro_batches, losses in zip(steps, want_losses):
+        out = engine.run(mg, micro_batches)
+        assert torch.allclose(out["losses"].float().cpu(), losses.float().cpu(), rtol=1e-5, atol=1e-5)
+    diff = _max_diff(mg.state_dict(), want)
+    assert diff <= max(10 * spread, 2e-5), (diff, spread)
+    for d in range(devices):  # every device holds its arena
+        assert torch.cuda.memory_allocated(d) >= mg.arena_bytes
+    mg.release(keep=False)
