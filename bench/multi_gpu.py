@@ -55,7 +55,7 @@ def d2d_bytes(mg) -> int:
 
 
 def run_turnip(workload: Workload, device_type: str, devices: int, budget: float, eager_peak: int | None,
-               steps: int, warmup: int) -> dict:
+               steps: int, warmup: int, timeline: Path | None = None) -> dict:
     """One turnip row: compile for `devices` devices within `budget` (a fraction of eager_peak per
     device, or of the unplanned peak without one), time the steps, read each device's peak."""
     result = PeerResult("turnip", extra={"devices": devices, "budget": budget})
@@ -82,6 +82,9 @@ def run_turnip(workload: Workload, device_type: str, devices: int, budget: float
     result.extra["peak_reserved_per_device"] = peaks
     result.peak_reserved = max(peaks) if peaks[0] is not None else None
     result.bytes_h2d, result.bytes_d2h = transfer_bytes(mg)
+    if timeline is not None:  # one more step, untimed, with the timeline of every unit on every device
+        engine.run(mg, batch, timeline=timeline)
+        result.extra["timeline"] = str(timeline)
     mg.release(keep=False)
     try:
         costs = CostModel(device=device_type)
@@ -127,6 +130,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--peers", default="", help="comma-separated systems of bench/peers/distributed.py")
     parser.add_argument("--peer-limit", type=float, default=240.0, help="seconds each peer may run")
+    parser.add_argument("--one-device-too", action="store_true", help="turnip on one device at each budget too")
+    parser.add_argument("--timelines", action="store_true", help="a Perfetto timeline of one step per turnip row")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -136,16 +141,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if is_cuda(args.device):
         rows.append(run_eager(workload, args.device, args.steps, args.warmup, fused=True))
     eager_peak = rows[0].get("peak_reserved") if rows[0]["status"] == OK else None
-    for budget in [float(b.rstrip("%")) / (100 if b.endswith("%") else 1) for b in args.budgets.split(",") if b]:
-        row = run_turnip(workload, args.device, args.devices, budget, eager_peak, args.steps, args.warmup)
-        rows.append(row)
-        log.info("turnip x%d @ %.0f%%: %s ms, peak %s per device", args.devices, budget * 100,
-                 f"{row['step_s_median'] * 1e3:.1f}" if row.get("step_s_median") else row.get("error"),
-                 format_bytes(row["peak_reserved"]) if row.get("peak_reserved") else "-")
-    if args.peers:
-        rows += run_peers(args.model, args.devices, args.peers.split(","), args.steps, args.peer_limit, args.tiny)
     out = Path(args.out) if args.out else result_path(f"multi_gpu_{args.model}_x{args.devices}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    for budget in [float(b.rstrip("%")) / (100 if b.endswith("%") else 1) for b in args.budgets.split(",") if b]:
+        for devices in ([1] if args.one_device_too else []) + [args.devices]:
+            timeline = out.with_name(f"{out.stem}_d{devices}_{budget:g}.timeline.json") if args.timelines else None
+            row = run_turnip(workload, args.device, devices, budget, eager_peak, args.steps, args.warmup, timeline)
+            rows.append(row)
+            log.info("turnip x%d @ %.0f%%: %s ms, peak %s per device", devices, budget * 100,
+                     f"{row['step_s_median'] * 1e3:.1f}" if row.get("step_s_median") else row.get("error"),
+                     format_bytes(row["peak_reserved"]) if row.get("peak_reserved") else "-")
+    if args.peers:
+        rows += run_peers(args.model, args.devices, args.peers.split(","), args.steps, args.peer_limit, args.tiny)
     out.write_text(json.dumps({"model": workload.name, "devices": args.devices, "device": args.device,
                                "eager_peak": eager_peak, "info": workload.info, "rows": rows}, indent=1, default=str))
     log.info("wrote %s", out)

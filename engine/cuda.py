@@ -274,7 +274,8 @@ class CudaRuntime(Runtime):
         lane = self.lanes.get((item.key, item.instance))
         if lane is None:
             stream_class, dev = self.graph.keys[item.key]
-            compute = stream_class is Stream.COMPUTE
+            # copies between GPUs are short and many (a gradient each): they run ahead like kernels
+            compute = stream_class in (Stream.COMPUTE, Stream.D2D)
             stream = (HostStream(f"turnip-host-{item.instance}", host_threads()) if stream_class is Stream.HOST
                       else torch.cuda.Stream(device=torch.device("cuda", dev)))
             lane = Lane(stream, compute, self._depth(compute))

@@ -151,6 +151,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
         check_options(planner, **{k: v for k, v in planner_options.items() if k != "costs"})
     device = target_device(device or default_device())
     device_count = read_devices(device, devices)
+    measure_costs = planner != "none" or device_count > 1  # several devices: the simulator picks the build
     if device_count > 1 and planner != "none":
         log.info("the planners model one device so far: on %d devices BuildMemGraph evicts what does not fit "
                  "(planner 'none')", device_count)
@@ -172,7 +173,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                                  f"step has none ({_optimizer_name(optimizer)}): compile with "
                                  f"fused_optimizer=True and Adam or AdamW, or host_update='off'")
         costs = planner_options.pop("costs", None)
-        if planner != "none":  # op times and workspace first: the unplanned peak includes workspace
+        if measure_costs:  # op times and workspace first: the unplanned peak includes workspace
             with progress.phase("measuring op costs"):
                 costs = costs if costs is not None else default_costs(tg)
                 costs.annotate(tg)

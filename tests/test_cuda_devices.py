@@ -30,7 +30,8 @@ def test_gpus_match_eager_averaged_accumulation(devices, budget):
     want, want_losses = eager_data_parallel(model, loss_fn, steps, adamw)
     again, _ = eager_data_parallel(model, loss_fn, steps, adamw)
     spread = _max_diff(again, want)  # eager against itself: the kernels' own run-to-run differences
-    mg = memgraph.compile(copy.deepcopy(model), loss_fn, batches[0], optimizer=adamw(model.parameters()),
+    mine = copy.deepcopy(model)
+    mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()),
                           device="cuda", devices=devices, budget=budget, verbose=False)
     assert memgraph.verify(mg) == []
     assert {p.device for mv in mg.vertices for p in mv.writes.values() if p.where == "gpu"} == set(range(devices))
