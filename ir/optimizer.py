@@ -2,7 +2,7 @@
 
 OptimizerSpec is plain data (it is saved with the graph); ``scalars`` turns it
 into the host scalars each step's `ScalarRef`s resolve to. Read from a torch
-optimizer by ``memgraph.optim.spec_from_optimizer``.
+optimizer by ``trace.optimizer_update.spec_from_optimizer``.
 
 CompiledOptimizer is ``mg.optimizer``: a torch.optim.Optimizer over the
 MemGraph, whose ``param_groups`` are the torch optimizer's (an LR scheduler
@@ -17,6 +17,7 @@ the torch optimizer given to it, which takes them: ``OptimizerSpec.restore``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import weakref
@@ -28,29 +29,92 @@ import torch
 
 from .taskgraph import TensorRef
 
+# The kinds of update a compiled step runs, each torch.optim's single-tensor implementation
+# (`_single_tensor_<name>` in torch/optim/<name>.py) op for op: the torch class of each, whose defaults
+# fill a loaded step's param groups ("adamw" is also an Adam with decoupled_weight_decay=True).
+TORCH_CLASSES = {
+    "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adagrad": torch.optim.Adagrad,
+    "adadelta": torch.optim.Adadelta, "adamax": torch.optim.Adamax, "nadam": torch.optim.NAdam,
+    "radam": torch.optim.RAdam, "rmsprop": torch.optim.RMSprop, "asgd": torch.optim.ASGD,
+}
+# the options of a param group each kind reads: hyperparameters (host scalars) and the switches that
+# decide which ops its update runs (nesterov, amsgrad, maximize, centered, decoupled_weight_decay)
+OPTIONS = {
+    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+    "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"),
+    "adamw": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"),
+    "adagrad": ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value", "maximize"),
+    "adadelta": ("lr", "rho", "eps", "weight_decay", "maximize"),
+    "adamax": ("lr", "betas", "eps", "weight_decay", "maximize"),
+    "nadam": ("lr", "betas", "eps", "weight_decay", "momentum_decay", "decoupled_weight_decay", "maximize"),
+    "radam": ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "maximize"),
+    "rmsprop": ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "maximize"),
+    "asgd": ("lr", "lambd", "alpha", "t0", "weight_decay", "maximize"),
+}
+# the states torch.optim keeps per parameter, in its order ("step" and HOST_STATES are host numbers
+# here, the rest tensors the step updates in its homes; SGD's buffer only with momentum, amsgrad's
+# maximum, RMSprop's buffer and centered average only where the option asks for them)
+STATE_KEYS = {
+    "sgd": ("momentum_buffer",),
+    "adam": ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "adamw": ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "adagrad": ("step", "sum"),
+    "adadelta": ("step", "square_avg", "acc_delta"),
+    "adamax": ("step", "exp_avg", "exp_inf"),
+    "nadam": ("step", "mu_product", "exp_avg", "exp_avg_sq"),
+    "radam": ("step", "exp_avg", "exp_avg_sq"),
+    "rmsprop": ("step", "square_avg", "momentum_buffer", "grad_avg"),
+    "asgd": ("step", "eta", "mu", "ax"),
+}
+# states torch keeps as one-element tensors that its Python code reads back as floats (NAdam's product
+# of momentum factors; ASGD's step size and averaging factor): the step keeps them on the host, per
+# param group, in the group's CARRIED entry, rounded to the tensor's dtype exactly as torch rounds them
+HOST_STATES = {"nadam": ("mu_product",), "asgd": ("eta", "mu")}
+CARRIED = "carried"  # param group key: {step: {host state: value after that step}} (see OptimizerSpec.carried)
+
 # hyperparameters a step reads as host scalars, so an LR scheduler (or a user) may change them between
 # steps; a change that alters the traced update itself (a zero becoming non-zero) needs a new compile
-SCHEDULABLE = ("lr", "betas", "eps", "momentum", "dampening", "weight_decay")
+SCHEDULABLE = ("lr", "betas", "eps", "momentum", "dampening", "weight_decay", "alpha", "rho", "lr_decay",
+               "momentum_decay", "lambd", "t0", "initial_accumulator_value")
 STRUCTURAL_ZERO = ("momentum", "weight_decay")  # zero or not decides which ops were traced
 # what an LR scheduler keeps in a param group beside the hyperparameters: the lr it scales (torch's
 # schedulers need it to resume with last_epoch >= 0). Followed and saved, never read by the step.
 SCHEDULER_KEYS = ("initial_lr",)
-# options of torch's optimizers the traced update does not run (compile refuses them too)
-REFUSED_OPTIONS = ("amsgrad", "maximize", "differentiable")
+# options of torch's optimizers the traced update does not run (compile refuses them on, saying why)
+REFUSED_OPTIONS = {
+    "differentiable": "it makes the update itself differentiable (autograd through optimizer.step()), which a "
+                      "compiled step, whose update runs after the backward, does not record",
+}
+# where torch has its own fused kernel for a kind that runs the single-tensor update here: refused on,
+# since that kernel rounds differently (Adam and AdamW run torch's fused kernel with fused_optimizer=True)
+FUSED_REFUSED = ("adagrad",)
+# torch.optim classes no kind runs, and why (the rest are "not supported")
+REFUSED_CLASSES = {
+    "LBFGS": "its step() calls a closure that evaluates the loss and gradients again, several times per step "
+             "(a line search), while a compiled step runs one forward and one backward before its update",
+}
+
+
+def structural_options(kind: str) -> tuple[str, ...]:
+    """The options of `kind` that decide which ops its update runs (followed only unchanged)."""
+    return tuple(k for k in OPTIONS.get(kind, ()) if k not in SCHEDULABLE)
 
 
 @dataclass
 class OptimizerSpec:
-    kind: str  # "sgd" | "adam" | "adamw"
-    groups: list[dict] = field(default_factory=list)  # per param group: lr, betas, eps, weight_decay, momentum, ...
+    kind: str  # a key of TORCH_CLASSES: "sgd" | "adam" | "adamw" | "adagrad" | "nadam" | ...
+    # per param group: its OPTIONS (lr, betas, eps, weight_decay, momentum, amsgrad, ...) and, for a kind
+    # with HOST_STATES, the CARRIED values
+    groups: list[dict] = field(default_factory=list)
     initial_step: int = 0  # steps the torch optimizer had already taken
     # per param group, the model's names of its parameters in the group's order (torch numbers the
     # parameters of a state_dict in this order)
     params: list[list[str]] = field(default_factory=list)
 
     def state_keys(self) -> tuple[str, ...]:
-        """The tensors torch.optim keeps per parameter for this kind (SGD: only with momentum)."""
-        return ("momentum_buffer",) if self.kind == "sgd" else ("step", "exp_avg", "exp_avg_sq")
+        """The states torch.optim keeps per parameter for this kind, in its order (SGD: only with
+        momentum; the keys that an option turns on are listed whether it is on or not)."""
+        return STATE_KEYS[self.kind]
 
     def follow(self, param_groups: list[dict]) -> None:
         """Take the torch optimizer's current hyperparameters (set by an LR scheduler, say), so the
@@ -63,13 +127,17 @@ class OptimizerSpec:
 
     def following(self, param_groups: list[dict]) -> OptimizerSpec:
         """A copy of this spec that has followed ``param_groups`` (this one is left as it is)."""
-        return dataclasses.replace(self, groups=self._followed_groups(param_groups),
-                                   params=[list(names) for names in self.params])
+        groups = self._followed_groups(param_groups)
+        for group in groups:
+            if CARRIED in group:
+                group[CARRIED] = {step: dict(values) for step, values in group[CARRIED].items()}
+        return dataclasses.replace(self, groups=groups, params=[list(names) for names in self.params])
 
     def _followed_groups(self, param_groups: list[dict]) -> list[dict]:
         if len(param_groups) != len(self.groups):
             raise ValueError(f"the optimizer has {len(param_groups)} parameter groups, the compiled step "
                              f"{len(self.groups)}: compile again after adding groups")
+        defaults = torch_group_defaults(self.kind)
         groups = []
         for g, (group, hp) in enumerate(zip(param_groups, self.groups)):
             new = dict(hp)
@@ -87,8 +155,11 @@ class OptimizerSpec:
             for key in SCHEDULER_KEYS:
                 if _is_number(group.get(key)):
                     new[key] = group[key]
-            for key, old in hp.items():
-                if key not in SCHEDULABLE and key not in SCHEDULER_KEYS and group.get(key, old) != old:
+            followed = {*SCHEDULABLE, *SCHEDULER_KEYS, CARRIED}
+            # a switch the spec was saved without (an older file) ran as torch's default
+            switches = {**{k: defaults[k] for k in structural_options(self.kind) if k in defaults}, **hp}
+            for key, old in switches.items():
+                if key not in followed and group.get(key, old) != old:
                     raise ValueError(f"param group {g}: {key} changed from {old!r} to {group[key]!r} since "
                                      f"compile: compile again")
             groups.append(new)
@@ -109,44 +180,148 @@ class OptimizerSpec:
             raise ValueError(f"the optimizer's param groups hold {sizes} parameters, the MemGraph's "
                              f"{want or len(self.groups) * ['?']}")
         defaults = torch_group_defaults(self.kind)
-        for g, group in enumerate(groups):
-            for key in REFUSED_OPTIONS:
-                if key in group and group[key] != defaults.get(key, group[key]):
+        for g, (group, hp) in enumerate(zip(groups, self.groups)):
+            for key in (*structural_options(self.kind), *REFUSED_OPTIONS):
+                runs = hp.get(key, defaults.get(key, group.get(key)))
+                if key in group and group[key] != runs:
                     raise ValueError(f"param group {g}: {key}={group[key]!r}, which the compiled step does not "
-                                     f"run: load it with an optimizer made without it")
+                                     f"run (it runs {key}={runs!r}): load it with an optimizer made with "
+                                     f"{key}={runs!r}")
         for group, hp in zip(groups, self.groups):
-            group.update(hp)
+            group.update({k: v for k, v in hp.items() if k != CARRIED})
 
     def scalars(self, step: int) -> dict[str, float]:
-        """Host scalars for the `step`-th update (1-based), as torch.optim computes them."""
+        """Host scalars for the `step`-th update (1-based), as torch.optim computes them. For a kind
+        with HOST_STATES, also records in each group's CARRIED entry the host states after `step`
+        (the next step starts from them; see ``carried``)."""
         out: dict[str, float] = {}
         for g, hp in enumerate(self.groups):
-            lr, wd = hp["lr"], hp["weight_decay"]
-            if self.kind == "sgd":
-                first = step == 1
-                out[f"g{g}.neg_lr"] = -lr
-                out[f"g{g}.weight_decay"] = wd
-                out[f"g{g}.momentum"] = hp["momentum"]
-                # buffers start at -0.0: -0.0 * 0 + grad * 1 == grad.clone() bit for bit
-                out[f"g{g}.buf_scale"] = 0.0 if first else hp["momentum"]
-                out[f"g{g}.grad_scale"] = 1.0 if first else 1 - hp["dampening"]
-            else:
-                beta1, beta2 = hp["betas"]
-                step_f = float(step)  # eager reads the float32 step tensor back as a Python float
-                bias_correction1 = 1 - beta1**step_f
-                bias_correction2 = 1 - beta2**step_f
-                step_size = lr / bias_correction1
-                out[f"g{g}.lr"] = lr
-                out[f"g{g}.beta1"] = beta1
-                out[f"g{g}.one_minus_beta1"] = 1 - beta1
-                out[f"g{g}.beta2"] = beta2
-                out[f"g{g}.one_minus_beta2"] = 1 - beta2
-                out[f"g{g}.bias_correction2_sqrt"] = bias_correction2**0.5
-                out[f"g{g}.eps"] = hp["eps"]
-                out[f"g{g}.neg_step_size"] = -step_size
-                out[f"g{g}.weight_decay"] = wd
-                out[f"g{g}.decay_factor"] = 1 - lr * wd
+            before = self.carried(g, step - 1) if self.kind in HOST_STATES else {}
+            values, after = _SCALARS[self.kind](hp, float(step), before)
+            if after is not None and step > self.initial_step:
+                self._record(g, step, after)
+            out.update({f"g{g}.{name}": value for name, value in values.items()})
         return out
+
+    def carried(self, group: int, step: int) -> dict[str, float]:
+        """The host states of param group `group` after update `step` (those torch keeps as tensors:
+        HOST_STATES), as recorded by ``scalars(step)`` when that step ran; {} before the first update
+        (a fresh state, as torch makes it at its first step). A step not recorded (runs restarted
+        from an older state) is derived from the latest recorded one before it with the current
+        hyperparameters, as it was run unless a scheduler changed them in between."""
+        if self.kind not in HOST_STATES:
+            return {}
+        carried = self.groups[group].setdefault(CARRIED, {})
+        if step in carried:
+            return dict(carried[step])
+        known = [k for k in carried if k < step]
+        start = max(known) if known else min(step, self.initial_step)
+        state = dict(carried.get(start, {}))
+        for k in range(start + 1, step + 1):
+            state = _SCALARS[self.kind](self.groups[group], float(k), state)[1]
+        return state
+
+    def _record(self, group: int, step: int, after: dict[str, float]) -> None:
+        """Keep the host states after `step`, after `step - 1` (a retried step starts from them) and at
+        compile (runs restarted from the compiled state start from them); drop the rest."""
+        carried = self.groups[group].setdefault(CARRIED, {})
+        carried[step] = dict(after)
+        for k in [k for k in carried if k not in (step, step - 1, self.initial_step)]:
+            del carried[k]
+
+
+def _round(x: float) -> float:
+    """`x` stored in a one-element tensor of torch.optim's state dtype (float32 unless the default dtype is
+    float64) and read back, as eager's ``state.copy_(torch.as_tensor(x))`` and ``.item()`` do."""
+    return torch.tensor(x, dtype=_scalar_dtype()).item()
+
+
+# Per kind: (param group, step as a float, host states before the step) -> (the scalars its update's
+# ScalarRefs name, the host states after the step, or None for a kind without any). Python floats
+# computed as torch.optim's _single_tensor_* functions compute them, operation for operation.
+def _sgd(hp: dict, step: float, before: dict):
+    first = step == 1
+    # buffers start at -0.0: -0.0 * 0 + grad * 1 == grad.clone() bit for bit
+    return {"neg_lr": -hp["lr"], "weight_decay": hp["weight_decay"], "momentum": hp["momentum"],
+            "buf_scale": 0.0 if first else hp["momentum"], "grad_scale": 1.0 if first else 1 - hp["dampening"]}, None
+
+
+def _adam(hp: dict, step: float, before: dict):
+    lr, wd = hp["lr"], hp["weight_decay"]
+    beta1, beta2 = hp["betas"]
+    bias_correction1 = 1 - beta1**step  # eager reads the float32 step tensor back as a Python float
+    bias_correction2 = 1 - beta2**step
+    return {"lr": lr, "beta1": beta1, "one_minus_beta1": 1 - beta1, "beta2": beta2, "one_minus_beta2": 1 - beta2,
+            "bias_correction2_sqrt": bias_correction2**0.5, "eps": hp["eps"], "neg_step_size": -(lr / bias_correction1),
+            "weight_decay": wd, "decay_factor": 1 - lr * wd}, None
+
+
+def _adagrad(hp: dict, step: float, before: dict):
+    clr = hp["lr"] / (1 + (step - 1) * hp["lr_decay"])
+    return {"neg_clr": -clr, "weight_decay": hp["weight_decay"], "eps": hp["eps"]}, None
+
+
+def _adadelta(hp: dict, step: float, before: dict):
+    rho = hp["rho"]
+    return {"rho": rho, "one_minus_rho": 1 - rho, "eps": hp["eps"], "neg_lr": -hp["lr"],
+            "weight_decay": hp["weight_decay"]}, None
+
+
+def _adamax(hp: dict, step: float, before: dict):
+    beta1, beta2 = hp["betas"]
+    clr = hp["lr"] / (1 - beta1**step)
+    return {"one_minus_beta1": 1 - beta1, "beta2": beta2, "eps": hp["eps"], "neg_clr": -clr,
+            "weight_decay": hp["weight_decay"]}, None
+
+
+def _nadam(hp: dict, step: float, before: dict):
+    lr, wd, decay = hp["lr"], hp["weight_decay"], hp["momentum_decay"]
+    beta1, beta2 = hp["betas"]
+    mu = beta1 * (1.0 - 0.5 * (0.96 ** (step * decay)))
+    mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((step + 1) * decay)))
+    # torch keeps mu_product as a tensor: `mu_product *= mu` rounds each product to its dtype
+    mu_product = torch.tensor(before.get("mu_product", 1.0), dtype=_scalar_dtype()).mul_(mu).item()
+    mu_product_next = mu_product * mu_next
+    return {"one_minus_beta1": 1 - beta1, "beta2": beta2, "one_minus_beta2": 1 - beta2,
+            "bias_correction2": 1 - beta2**step, "eps": hp["eps"], "weight_decay": wd, "decay_factor": 1 - lr * wd,
+            "grad_value": -lr * (1.0 - mu) / (1.0 - mu_product),
+            "avg_value": (-lr * mu_next) / (1.0 - mu_product_next)}, {"mu_product": mu_product}
+
+
+def _radam(hp: dict, step: float, before: dict):
+    lr, wd = hp["lr"], hp["weight_decay"]
+    beta1, beta2 = hp["betas"]
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
+    rectify = rho_t > 5.0
+    # unused (the update selects the unrectified step) where torch does not compute it
+    rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5 if rectify else 1.0
+    return {"one_minus_beta1": 1 - beta1, "beta2": beta2, "one_minus_beta2": 1 - beta2,
+            "bias_correction1": bias_correction1, "bias_correction2_sqrt": bias_correction2**0.5, "lr": lr,
+            "eps": hp["eps"], "rect": rect, "rectify": 1.0 if rectify else 0.0, "weight_decay": wd,
+            "decay_factor": 1 - lr * wd}, None
+
+
+def _rmsprop(hp: dict, step: float, before: dict):
+    alpha = hp["alpha"]
+    return {"alpha": alpha, "one_minus_alpha": 1 - alpha, "eps": hp["eps"], "momentum": hp["momentum"],
+            "neg_lr": -hp["lr"], "weight_decay": hp["weight_decay"]}, None
+
+
+def _asgd(hp: dict, step: float, before: dict):
+    lr, lambd, alpha = hp["lr"], hp["lambd"], hp["alpha"]
+    # torch makes eta from the lr at its first step; later each step sets the next one's eta and mu
+    eta = before["eta"] if "eta" in before else _round(lr)
+    mu = before.get("mu", 1.0)
+    after = {"eta": _round(lr / ((1 + lambd * lr * step) ** alpha)), "mu": _round(1 / max(1, step - hp["t0"]))}
+    return {"decay": 1 - lambd * eta, "neg_eta": -eta, "mu": mu, "copy_ax": 1.0 if mu == 1 else 0.0,
+            "weight_decay": hp["weight_decay"]}, after
+
+
+_SCALARS = {"sgd": _sgd, "adam": _adam, "adamw": _adam, "adagrad": _adagrad, "adadelta": _adadelta,
+            "adamax": _adamax, "nadam": _nadam, "radam": _radam, "rmsprop": _rmsprop, "asgd": _asgd}
 
 
 def _is_number(x: Any) -> bool:
@@ -166,10 +341,6 @@ def state_value_name(param: str, key: str) -> str:
     return f"opt:{param}.{key}"
 
 
-# the torch.optim class of each kind, whose defaults fill a loaded step's param groups
-TORCH_CLASSES = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-
-
 def torch_kind(optimizer: Any) -> str | None:
     """The kind of update a torch optimizer runs ("adamw" for an Adam with decoupled weight decay, as
     compile reads it), None for another class."""
@@ -183,12 +354,16 @@ def torch_group_defaults(kind: str) -> dict:
     """The options torch.optim's class for `kind` gives a param group by default ("foreach",
     "maximize", "fused", ...; "params" left out), read from a throwaway instance so they are exactly
     this torch's."""
+    return dict(_group_defaults(kind))
+
+
+@functools.cache
+def _group_defaults(kind: str) -> dict:
     cls = TORCH_CLASSES.get(kind)
     if cls is None:
         return {}
     group = cls([torch.zeros(1, requires_grad=True)]).param_groups[0]
     return {k: v for k, v in group.items() if k != "params"}
-
 
 def mark_stepped(optimizer: Any) -> None:
     """Record that an update ran, as ``optimizer.step()`` does for LR schedulers.
@@ -247,7 +422,8 @@ class CompiledOptimizer(torch.optim.Optimizer):
                                  f"names for {len(spec.params)}")
             defaults = torch_group_defaults(spec.kind)
             names = spec.params or [[] for _ in spec.groups]  # a spec made by hand may name no parameters
-            self._groups = [{**defaults, **hp, "params": list(group)} for hp, group in zip(spec.groups, names)]
+            self._groups = [{**defaults, **{k: v for k, v in hp.items() if k != CARRIED}, "params": list(group)}
+                            for hp, group in zip(spec.groups, names)]
             self.defaults = defaults
         for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
                       "load_state_dict_post"):
@@ -272,26 +448,37 @@ class CompiledOptimizer(torch.optim.Optimizer):
 
     def _states(self) -> list[dict[str, torch.Tensor] | None]:
         """Per parameter, in torch's numbering: its state as torch.optim would hold it, None where torch
-        would hold none (no update taken yet, SGD without momentum, a parameter that gets no gradient)."""
+        would hold none (no update taken yet, SGD without momentum, a parameter that gets no gradient).
+        Adagrad makes its states when it is made, so they are there before the first update too."""
         mg, spec = self._live()
         steps = self.steps_taken()
         by_name = {v.name: v.id for v in mg.taskgraph.values if v.name.startswith("opt:")}
-        names = [name for group in spec.params for name in group]
-        if steps == 0:
-            return [None] * len(names)
+        if steps == 0 and spec.kind != "adagrad":
+            return [None] * sum(len(group) for group in spec.params)
         tensors = mg.runtime.persistent_state(mg) if mg.runtime is not None else mg.initial_state
+        host = HOST_STATES.get(spec.kind, ())
         out = []
-        for name in names:
-            state = {}
-            for key in spec.state_keys():
-                if key == "step":
+        for g, group in enumerate(spec.params):
+            carried = spec.carried(g, steps) if host else {}
+            for name in group:
+                tensors_of = {}
+                for key in spec.state_keys():
+                    vid = by_name.get(state_value_name(name, key))
+                    if vid is not None:
+                        tensors_of[key] = tensors[vid].detach().clone()
+                if not tensors_of:  # no update reached this parameter
+                    out.append(None)
                     continue
-                vid = by_name.get(state_value_name(name, key))
-                if vid is not None:
-                    state[key] = tensors[vid].detach().clone()
-            if state and "step" in spec.state_keys():
-                state = {"step": torch.tensor(float(steps), dtype=_scalar_dtype()), **state}
-            out.append(state or None)
+                state = {}
+                for key in spec.state_keys():
+                    if key == "step":
+                        state[key] = torch.tensor(float(steps), dtype=_scalar_dtype())
+                    elif key in host:
+                        default = _round(spec.groups[g]["lr"]) if key == "eta" else 1.0
+                        state[key] = torch.tensor(carried.get(key, default), dtype=_scalar_dtype())
+                    elif key in tensors_of:
+                        state[key] = tensors_of[key]
+                out.append(state)
         return out
 
     @property

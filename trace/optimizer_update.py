@@ -1,11 +1,15 @@
 """The optimizer update as functional TaskGraph vertices, numerically identical to torch.optim.
 
-Hyperparameters are read from the user's torch optimizer. Quantities that
-change from step to step (Adam's bias corrections, SGD's first-step momentum
-rule) and the hyperparameters themselves are `ScalarRef`s resolved on the host
-each step by `OptimizerSpec.scalars`, computed in Python floats exactly as
-torch.optim's single-tensor implementation does, so the kernels see the same
-scalars eager PyTorch passes them.
+Each kind of ir/optimizer.py (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, NAdam, RAdam, RMSprop,
+ASGD) is written as the ATen calls of torch.optim's single-tensor implementation
+(`_single_tensor_<name>`), op for op, in the same order and with the same kernels, rather than
+traced from it: torch computes its per-step quantities (bias corrections, RAdam's rectification,
+NAdam's momentum products, ASGD's step size) in Python floats and branches on them, which a trace
+would freeze at the first step's values. Here they and the hyperparameters are `ScalarRef`s,
+resolved on the host each step by `OptimizerSpec.scalars` from the step count and the optimizer's
+current hyperparameters (an LR scheduler's lr), computed as torch computes them; where torch
+branches on one (RAdam's rectification, ASGD's averaging), both sides are computed and the step's
+host flag selects one. So the kernels see the numbers eager PyTorch passes them, bit for bit.
 """
 
 from __future__ import annotations
@@ -13,7 +17,13 @@ from __future__ import annotations
 import torch
 
 from ..ir.optimizer import (  # OptimizerSpec re-exported: saved in ir
+    CARRIED,
+    FUSED_REFUSED,
+    HOST_STATES,
+    OPTIONS,
+    REFUSED_CLASSES,
     REFUSED_OPTIONS,
+    TORCH_CLASSES,
     OptimizerSpec,
     state_value_name,
     torch_kind,
@@ -24,21 +34,34 @@ from .errors import UnsupportedFeature
 
 aten = torch.ops.aten
 
+_NAMES = [cls.__name__ for cls in TORCH_CLASSES.values()]
+SUPPORTED = ", ".join(_NAMES[:-1]) + " and " + _NAMES[-1]  # "SGD, Adam, AdamW, ... and ASGD"
+
+
 def spec_from_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
     """Read kind and hyperparameters, refusing what the functional update does not reproduce."""
     cls = type(optimizer)
     kind = torch_kind(optimizer)  # an Adam with decoupled weight decay runs AdamW's update
     if kind is None:
-        raise UnsupportedFeature(f"optimizer {cls.__name__} is not supported (supported: SGD, Adam, AdamW)")
+        why = REFUSED_CLASSES.get(cls.__name__)
+        if why is not None:
+            raise UnsupportedFeature(f"optimizer {cls.__name__} is not supported: {why}. Supported: {SUPPORTED}")
+        raise UnsupportedFeature(f"optimizer {cls.__name__} is not supported (supported: {SUPPORTED})")
     groups = []
     steps = set()
+    host = HOST_STATES.get(kind, ())
+    carried: list[set] = []
     for i, group in enumerate(optimizer.param_groups):
-        for option in REFUSED_OPTIONS:  # each supported only off
+        for option, why in REFUSED_OPTIONS.items():  # each supported only off
             if group.get(option):
                 raise UnsupportedFeature(f"{cls.__name__} option {option}={group[option]} (param group {i}) "
-                                         f"is not supported")
+                                         f"is not supported: {why}")
+        if kind in FUSED_REFUSED and group.get("fused"):
+            raise UnsupportedFeature(f"{cls.__name__} option fused=True (param group {i}) is not supported: torch's "
+                                     f"fused {cls.__name__} kernel rounds differently from the single-tensor update "
+                                     f"the compiled step runs; make the optimizer with fused=None")
         hp = {}
-        for key in ("lr", "weight_decay", "momentum", "dampening", "nesterov", "betas", "eps"):
+        for key in OPTIONS[kind]:
             if key in group:
                 val = group[key]
                 if isinstance(val, torch.Tensor) or (key == "betas" and any(isinstance(b, torch.Tensor) for b in val)):
@@ -46,6 +69,7 @@ def spec_from_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
                                              "pass a Python float")
                 hp[key] = tuple(float(b) for b in val) if key == "betas" else val
         groups.append(hp)
+        seen = set()
         for p in group["params"]:
             state = optimizer.state.get(p, {})
             if "step" in state:
@@ -54,26 +78,74 @@ def spec_from_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
                 steps.add(1)  # SGD keeps no step count: any buffer means "not the first step"
             else:
                 steps.add(0)
+            if host and "step" in state:
+                seen.add(tuple((key, float(state[key])) for key in host))
+        carried.append(seen)
     if len(steps) > 1:
         raise UnsupportedFeature(f"{cls.__name__} parameters have taken different numbers of steps {sorted(steps)}")
-    return OptimizerSpec(kind, groups, steps.pop() if steps else 0)
+    initial_step = steps.pop() if steps else 0
+    for i, (hp, seen) in enumerate(zip(groups, carried)):
+        if len(seen) > 1:
+            raise UnsupportedFeature(f"{cls.__name__} parameters of param group {i} hold different "
+                                     f"{'/'.join(host)} states {sorted(seen)}: the compiled step keeps one per group")
+        if host:
+            hp[CARRIED] = {initial_step: dict(seen.pop()) if seen else {}}
+    return OptimizerSpec(kind, groups, initial_step)
+
+
+def _zeros(param: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 def initial_states(spec: OptimizerSpec, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The optimizer state tensors a parameter starts with (its current torch state, or eager's init)."""
+    """The state tensors a parameter's update keeps in homes: its current torch state where it has one,
+    else as torch's first step makes them (SGD's momentum buffer: see `_sgd`). The step count and
+    HOST_STATES are kept on the host (OptimizerSpec)."""
     state = optimizer.state.get(param, {})
-    if spec.kind == "sgd":
-        momentum = next(g["momentum"] for g in optimizer.param_groups if any(p is param for p in g["params"]))
-        if momentum == 0:
+    hp = next(spec.groups[g] for g, group in enumerate(optimizer.param_groups)
+              if any(p is param for p in group["params"]))
+    kind = spec.kind
+    fresh: dict = {}
+    if kind == "sgd":
+        if hp["momentum"] == 0:
             return {}
-        buf = state.get("momentum_buffer")
-        if buf is None:
-            buf = torch.full_like(param, -0.0, memory_format=torch.preserve_format)
-        return {"momentum_buffer": buf.detach()}
-    if "exp_avg" in state:
-        return {"exp_avg": state["exp_avg"].detach(), "exp_avg_sq": state["exp_avg_sq"].detach()}
-    zeros = torch.zeros_like(param, memory_format=torch.preserve_format).detach()
-    return {"exp_avg": zeros, "exp_avg_sq": zeros.clone()}
+        fresh["momentum_buffer"] = lambda: torch.full_like(param, -0.0, memory_format=torch.preserve_format)
+    elif kind in ("adam", "adamw", "nadam", "radam"):
+        fresh["exp_avg"] = fresh["exp_avg_sq"] = lambda: _zeros(param)
+        if hp.get("amsgrad"):
+            fresh["max_exp_avg_sq"] = lambda: _zeros(param)
+    elif kind == "adagrad":
+        fresh["sum"] = lambda: torch.full_like(param, hp["initial_accumulator_value"],
+                                               memory_format=torch.preserve_format)
+    elif kind == "adadelta":
+        fresh["square_avg"] = fresh["acc_delta"] = lambda: _zeros(param)
+    elif kind == "adamax":
+        fresh["exp_avg"] = fresh["exp_inf"] = lambda: _zeros(param)
+    elif kind == "rmsprop":
+        fresh["square_avg"] = lambda: _zeros(param)
+        if hp["momentum"] > 0:
+            fresh["momentum_buffer"] = lambda: _zeros(param)
+        if hp["centered"]:
+            fresh["grad_avg"] = lambda: _zeros(param)
+    elif kind == "asgd":
+        fresh["ax"] = lambda: _zeros(param)
+    out = {}
+    for key, make in fresh.items():
+        tensor = state.get(key)
+        out[key] = (tensor if tensor is not None else make()).detach()
+    return out
+
+
+class _Scalars:
+    """``s.lr`` is ScalarRef("g<group>.lr"): the host scalars of one param group's update."""
+
+    def __init__(self, group: int):
+        self._group = group
+
+    def __getattr__(self, name: str) -> ScalarRef:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return ScalarRef(f"g{self._group}.{name}")
 
 
 class UpdateEmitter:
@@ -148,35 +220,128 @@ class UpdateEmitter:
         """Returns (new param, new states) as refs to freshly produced values. Where eager's
         single-tensor step updates a tensor in place (param.addcdiv_, exp_avg.lerp_, ...), so does
         this, with the same kernel; the rest (weight-decayed gradient, denominator) is out of place
-        as in eager."""
-        def s(name: str) -> ScalarRef:
-            return ScalarRef(f"g{group}.{name}")
-
+        as in eager, with the kernel of eager's in-place call on its temporary (sqrt for sqrt_)."""
         hp = self.spec.groups[group]
-        if self.spec.kind == "sgd":
-            if hp["weight_decay"] != 0:
-                grad = self.emit(aten.add.Tensor, grad, param, alpha=s("weight_decay"))
-            new_states = {}
-            if hp["momentum"] != 0:
-                buf = self.emit_in_place(aten.mul_.Tensor, states["momentum_buffer"], s("buf_scale"))
-                buf = self.emit_in_place(aten.add_.Tensor, buf, grad, alpha=s("grad_scale"))
-                new_states["momentum_buffer"] = buf
-                grad = self.emit(aten.add.Tensor, grad, buf, alpha=s("momentum")) if hp.get("nesterov") else buf
-            return self.emit_in_place(aten.add_.Tensor, param, grad, alpha=s("neg_lr")), new_states
-        decoupled = self.spec.kind == "adamw"
-        if hp["weight_decay"] != 0:
-            if decoupled:
-                param = self.emit_in_place(aten.mul_.Tensor, param, s("decay_factor"))
-            else:
-                grad = self.emit(aten.add.Tensor, grad, param, alpha=s("weight_decay"))
-        exp_avg = self.emit_in_place(aten.lerp_.Scalar, states["exp_avg"], grad, s("one_minus_beta1"))
-        exp_avg_sq = self.emit_in_place(aten.mul_.Tensor, states["exp_avg_sq"], s("beta2"))
-        exp_avg_sq = self.emit_in_place(aten.addcmul_.default, exp_avg_sq, grad, grad, value=s("one_minus_beta2"))
-        denom = self.emit(aten.sqrt.default, exp_avg_sq)
-        denom = self.emit(aten.div.Tensor, denom, s("bias_correction2_sqrt"))
-        denom = self.emit(aten.add.Tensor, denom, s("eps"))
-        new_param = self.emit_in_place(aten.addcdiv_.default, param, exp_avg, denom, value=s("neg_step_size"))
-        return new_param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        if hp.get("maximize"):
+            grad = self.emit(aten.neg.default, grad)
+        step = getattr(self, f"_{'adam' if self.spec.kind == 'adamw' else self.spec.kind}")
+        return step(hp, _Scalars(group), param, grad, dict(states))
+
+    def _coupled_decay(self, hp: dict, s, param: TensorRef, grad: TensorRef) -> TensorRef:
+        """grad.add(param, alpha=weight_decay), where weight decay is on."""
+        return self.emit(aten.add.Tensor, grad, param, alpha=s.weight_decay) if hp["weight_decay"] != 0 else grad
+
+    def _weight_decay(self, hp: dict, s, param: TensorRef, grad: TensorRef, decoupled: bool):
+        """(param, grad) after weight decay: param.mul_(1 - lr * weight_decay) when decoupled, else
+        the gradient's."""
+        if hp["weight_decay"] != 0 and decoupled:
+            return self.emit_in_place(aten.mul_.Tensor, param, s.decay_factor), grad
+        return param, self._coupled_decay(hp, s, param, grad)
+
+    def _moments(self, s, states: dict, grad: TensorRef) -> None:
+        """exp_avg.lerp_(grad, 1 - beta1); exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)."""
+        states["exp_avg"] = self.emit_in_place(aten.lerp_.Scalar, states["exp_avg"], grad, s.one_minus_beta1)
+        sq = self.emit_in_place(aten.mul_.Tensor, states["exp_avg_sq"], s.beta2)
+        states["exp_avg_sq"] = self.emit_in_place(aten.addcmul_.default, sq, grad, grad, value=s.one_minus_beta2)
+
+    def _select(self, flag: ScalarRef, if_set: TensorRef, otherwise: TensorRef) -> TensorRef:
+        """torch.where on a host flag of the step: the branch torch's Python takes, both computed."""
+        cond = self.emit(aten.scalar_tensor.default, flag, dtype=torch.bool, device=torch.device(self.tg.device))
+        return self.emit(aten.where.self, cond, if_set, otherwise)
+
+    def _sgd(self, hp, s, param, grad, states):
+        grad = self._coupled_decay(hp, s, param, grad)
+        if hp["momentum"] != 0:
+            buf = self.emit_in_place(aten.mul_.Tensor, states["momentum_buffer"], s.buf_scale)
+            buf = states["momentum_buffer"] = self.emit_in_place(aten.add_.Tensor, buf, grad, alpha=s.grad_scale)
+            grad = self.emit(aten.add.Tensor, grad, buf, alpha=s.momentum) if hp.get("nesterov") else buf
+        return self.emit_in_place(aten.add_.Tensor, param, grad, alpha=s.neg_lr), states
+
+    def _adam(self, hp, s, param, grad, states):
+        param, grad = self._weight_decay(hp, s, param, grad, decoupled=self.spec.kind == "adamw")
+        self._moments(s, states, grad)
+        sq = states["exp_avg_sq"]
+        if hp.get("amsgrad"):  # torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+            sq = states["max_exp_avg_sq"] = self.emit(aten.maximum.default, states["max_exp_avg_sq"], sq)
+        denom = self.emit(aten.sqrt.default, sq)
+        denom = self.emit(aten.div.Tensor, denom, s.bias_correction2_sqrt)
+        denom = self.emit(aten.add.Tensor, denom, s.eps)
+        return self.emit_in_place(aten.addcdiv_.default, param, states["exp_avg"], denom, value=s.neg_step_size), states
+
+    def _adagrad(self, hp, s, param, grad, states):
+        grad = self._coupled_decay(hp, s, param, grad)
+        total = states["sum"] = self.emit_in_place(aten.addcmul_.default, states["sum"], grad, grad, value=1)
+        std = self.emit(aten.add.Tensor, self.emit(aten.sqrt.default, total), s.eps)
+        return self.emit_in_place(aten.addcdiv_.default, param, grad, std, value=s.neg_clr), states
+
+    def _adadelta(self, hp, s, param, grad, states):
+        grad = self._coupled_decay(hp, s, param, grad)
+        square_avg = self.emit_in_place(aten.mul_.Tensor, states["square_avg"], s.rho)
+        square_avg = states["square_avg"] = self.emit_in_place(aten.addcmul_.default, square_avg, grad, grad,
+                                                               value=s.one_minus_rho)
+        std = self.emit(aten.sqrt.default, self.emit(aten.add.Tensor, square_avg, s.eps))
+        delta = self.emit(aten.sqrt.default, self.emit(aten.add.Tensor, states["acc_delta"], s.eps))
+        delta = self.emit(aten.mul.Tensor, self.emit(aten.div.Tensor, delta, std), grad)
+        acc_delta = self.emit_in_place(aten.mul_.Tensor, states["acc_delta"], s.rho)
+        states["acc_delta"] = self.emit_in_place(aten.addcmul_.default, acc_delta, delta, delta, value=s.one_minus_rho)
+        return self.emit_in_place(aten.add_.Tensor, param, delta, alpha=s.neg_lr), states
+
+    def _adamax(self, hp, s, param, grad, states):
+        grad = self._coupled_decay(hp, s, param, grad)
+        states["exp_avg"] = self.emit_in_place(aten.lerp_.Scalar, states["exp_avg"], grad, s.one_minus_beta1)
+        # torch.maximum(exp_inf.mul_(beta2), grad.abs().add_(eps), out=exp_inf)
+        exp_inf = self.emit_in_place(aten.mul_.Tensor, states["exp_inf"], s.beta2)
+        bound = self.emit(aten.add.Tensor, self.emit(aten.abs.default, grad), s.eps)
+        exp_inf = states["exp_inf"] = self.emit(aten.maximum.default, exp_inf, bound)
+        return self.emit_in_place(aten.addcdiv_.default, param, states["exp_avg"], exp_inf, value=s.neg_clr), states
+
+    def _nadam(self, hp, s, param, grad, states):
+        param, grad = self._weight_decay(hp, s, param, grad, decoupled=hp.get("decoupled_weight_decay", False))
+        self._moments(s, states, grad)
+        denom = self.emit(aten.sqrt.default, self.emit(aten.div.Tensor, states["exp_avg_sq"], s.bias_correction2))
+        denom = self.emit(aten.add.Tensor, denom, s.eps)
+        param = self.emit_in_place(aten.addcdiv_.default, param, grad, denom, value=s.grad_value)
+        return self.emit_in_place(aten.addcdiv_.default, param, states["exp_avg"], denom, value=s.avg_value), states
+
+    def _radam(self, hp, s, param, grad, states):
+        param, grad = self._weight_decay(hp, s, param, grad, decoupled=hp.get("decoupled_weight_decay", False))
+        self._moments(s, states, grad)
+        step = self.emit(aten.mul.Tensor, self.emit(aten.div.Tensor, states["exp_avg"], s.bias_correction1), s.lr)
+        # rectified: step * ((bias_correction2 ** 0.5) / exp_avg_sq.sqrt().add_(eps)) * rect, the division
+        # of a float by a tensor being reciprocal() * float (Tensor.__rtruediv__)
+        adaptive = self.emit(aten.add.Tensor, self.emit(aten.sqrt.default, states["exp_avg_sq"]), s.eps)
+        adaptive = self.emit(aten.mul.Tensor, self.emit(aten.reciprocal.default, adaptive), s.bias_correction2_sqrt)
+        rectified = self.emit(aten.mul.Tensor, self.emit(aten.mul.Tensor, step, adaptive), s.rect)
+        step = self._select(s.rectify, rectified, step)  # torch: if rho_t > 5.0
+        return self.emit_in_place(aten.add_.Tensor, param, step, alpha=-1.0), states
+
+    def _rmsprop(self, hp, s, param, grad, states):
+        grad = self._coupled_decay(hp, s, param, grad)
+        square_avg = self.emit_in_place(aten.mul_.Tensor, states["square_avg"], s.alpha)
+        square_avg = states["square_avg"] = self.emit_in_place(aten.addcmul_.default, square_avg, grad, grad,
+                                                               value=s.one_minus_alpha)
+        if hp["centered"]:
+            grad_avg = states["grad_avg"] = self.emit_in_place(aten.lerp_.Scalar, states["grad_avg"], grad,
+                                                               s.one_minus_alpha)
+            avg = self.emit(aten.sqrt.default, self.emit(aten.addcmul.default, square_avg, grad_avg, grad_avg, value=-1))
+        else:
+            avg = self.emit(aten.sqrt.default, square_avg)
+        avg = self.emit(aten.add.Tensor, avg, s.eps)
+        if hp["momentum"] > 0:
+            buf = self.emit_in_place(aten.mul_.Tensor, states["momentum_buffer"], s.momentum)
+            buf = states["momentum_buffer"] = self.emit_in_place(aten.addcdiv_.default, buf, grad, avg)
+            return self.emit_in_place(aten.add_.Tensor, param, buf, alpha=s.neg_lr), states
+        return self.emit_in_place(aten.addcdiv_.default, param, grad, avg, value=s.neg_lr), states
+
+    def _asgd(self, hp, s, param, grad, states):
+        grad = self._coupled_decay(hp, s, param, grad)
+        param = self.emit_in_place(aten.mul_.Tensor, param, s.decay)  # param.mul_(1 - lambd * eta)
+        param = self.emit_in_place(aten.add_.Tensor, param, grad, alpha=s.neg_eta)
+        # if mu != 1: ax.add_(param.sub(ax).mul_(mu)), else ax.copy_(param)
+        ax = states["ax"]
+        averaged = self.emit(aten.add.Tensor, ax, self.emit(aten.mul.Tensor, self.emit(aten.sub.Tensor, param, ax), s.mu))
+        states["ax"] = self._select(s.copy_ax, param, averaged)
+        return param, states
 
     def into_layout_of(self, new: TensorRef, home_value: int) -> int:
         """The value id holding `new` with the layout of `home_value` (copied if the layouts differ)."""
@@ -249,7 +414,9 @@ def _fused_groups(members: list[tuple]) -> list[list[tuple]]:
 
 
 def append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid, fused: bool) -> None:
-    fused = fused and spec.kind in ("adam", "adamw")
+    # torch's fused Adam kernel, as it is here, runs neither amsgrad nor maximize: those take the single-tensor update
+    fused = fused and spec.kind in ("adam", "adamw") and not any(g.get("amsgrad") or g.get("maximize")
+                                                                 for g in spec.groups)
     step = _step_counter(tg, spec) if fused and any(g is not None for g in grads.values()) else None
     fused_members: list[tuple] = []  # (name, param, param group, value id, grad, state refs) for the fused kernel
     for name, param in trainable.items():
