@@ -113,7 +113,7 @@ class CudaRuntime(Runtime):
         self._caller_streams: list[torch.cuda.Stream] = []
         self._batch_ready = torch.cuda.Event()
         self._timers: list | None = None  # (start, end) timing events per vertex, made on the first traced step
-        self._origin = None
+        self._origin: dict[int, torch.cuda.Event] = {}
         self._started: list[int] = []  # this step's units handed to a GPU stream (their work may run)
         self._host_token = StepToken()  # this step's host-lane units
         self._rng_before: torch.Tensor | None = None  # the generator's state before the step moved it
@@ -151,9 +151,12 @@ class CudaRuntime(Runtime):
         if self.timing and self._timers is None:
             self._timers = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                             for _ in range(self.graph.vertex_count)]  # used by each unit's first vertex
-            self._origin = torch.cuda.Event(enable_timing=True)
+            # one origin per device (events of two devices cannot be compared), each recorded on that device's
+            # idle stream at about the same host moment
+            self._origin = {d: torch.cuda.Event(enable_timing=True) for d in self.devices}
         if self.timing:
-            self._origin.record()
+            for d, event in self._origin.items():
+                event.record(torch.cuda.current_stream(torch.device("cuda", d)))
             self.launched = {}
 
     def _finish(self) -> None:
@@ -240,7 +243,6 @@ class CudaRuntime(Runtime):
         """Replace host-side times by when each vertex ran on the GPU (the step has synchronized)."""
         if not self.timing or self._timers is None:
             return records
-        t0 = self._origin
         out = []
         keys = self.graph.keys
         for rec in records:
@@ -249,6 +251,7 @@ class CudaRuntime(Runtime):
                 continue
             start, end = self._timers[rec.vertex]
             try:
+                t0 = self._origin[keys[rec.key][1]]
                 begin_s, end_s = t0.elapsed_time(start) / 1e3, t0.elapsed_time(end) / 1e3
             except RuntimeError:  # never recorded (a failed step): keep the host times
                 out.append(rec)

@@ -6,15 +6,16 @@ can be captured once and replayed as one CUDA graph. Which runs: a segment is a 
 consecutive compute vertices of mg.serial on one stream and device (other kinds, and other devices'
 vertices, skipped over), such that only its first vertex has a predecessor that is not compute (a
 reload, an input, a transfer from another device) and only its last has a successor that is not
-compute (an offload, an output, a reload into bytes it freed, a transfer to another device).
+compute (an offload, an output, a reload into bytes it freed), but for transfers to another device,
+which any member may feed (the copy waits for the segment, held to SEND_DELAY_S).
 
 Why that is safe: contracting such a run into one vertex keeps the graph acyclic. A path leaving
-the run and coming back would start at a member with an edge to an outsider; the outsider cannot be
-a transfer (only the last member has one as successor, and nothing of the run comes after it) nor a
-compute vertex of its device (every one between two members in the serial order is a member) nor
-of another device (no edge joins two devices' kernels: they share no bytes, and their data moves by
-transfer vertices). And it
-costs the runtime little choice: transfers still start the moment their compute is done, compute
+the run and coming back into it enters it by an edge from an outsider. That outsider is no compute
+vertex of the run's device (every one between two members in the serial order is a member, and
+edges point forward in it), nor of another device (no edge joins two devices' kernels: they share
+no bytes, their data moves by transfer vertices), so it is a transfer or another non-compute vertex,
+whose successor in the run can only be the run's first member, which precedes every vertex of the
+path. And it costs the runtime little choice: offloads still start the moment their compute is done, compute
 that waits for a reload is never held back by one it does not need.
 
 Random vertices stay alone (their generator state is set per launch, which a capture would freeze).
@@ -23,6 +24,14 @@ Random vertices stay alone (their generator state is set per launch, which a cap
 from __future__ import annotations
 
 from ..ir.memgraph import Kind, MemGraph, Stream
+
+
+# A member may send a result to another device (a gradient to its owner) before its segment ends: the
+# copy then starts when the segment has run, at most this long (or this many vertices, where ops carry
+# no times) after the member. Closing a segment at every send would cut a device's backward at every
+# gradient, and the event loop's launches would bound the step (gpt350m on two H100s).
+SEND_DELAY_S = 1e-3
+SEND_DELAY_VERTICES = 32
 
 
 def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) -> list[list[int]]:
@@ -37,11 +46,14 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
     # the host's updates (Stream.HOST) are not kernels: outside every segment, like transfers
     compute = [mv.kind is Kind.COMPUTE and mv.stream is Stream.COMPUTE for mv in vertices]
     enters_from_outside = [False] * len(vertices)  # a predecessor that is not compute
-    leaves_to_outside = [False] * len(vertices)  # a successor that is not compute
+    leaves_to_outside = [False] * len(vertices)  # a successor that is not compute, but a transfer to another device
+    sends = [False] * len(vertices)  # a successor that copies to another device
     for src, dst, _ in mg.edges:
         if not compute[src]:
             enters_from_outside[dst] = True
-        if not compute[dst]:
+        if vertices[dst].stream is Stream.D2D:
+            sends[src] = True
+        elif not compute[dst]:
             leaves_to_outside[src] = True
 
     def lane(vid: int) -> tuple:
@@ -51,26 +63,33 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
 
     segments: list[list[int]] = []
     runs: dict[tuple, list[int]] = {}  # one open run per stream and device
+    held: dict[tuple, tuple[float, int]] = {}  # lane -> (seconds, vertices) its run ran since its first send
 
-    def close(run: list[int]) -> None:
+    def close(key: tuple) -> None:
+        run = runs[key]
         if len(run) >= min_size:
             segments.append(list(run))
         run.clear()
+        held.pop(key, None)
 
     for vid in mg.serial:
         if not compute[vid]:
             continue
-        run = runs.setdefault(lane(vid), [])
+        key = lane(vid)
+        run = runs.setdefault(key, [])
         alone = tasks[vertices[vid].task_vertex].random
         if run and (alone or enters_from_outside[vid] or (max_size is not None and len(run) >= max_size)):
-            close(run)
+            close(key)
         if alone:
             continue
         run.append(vid)
-        if leaves_to_outside[vid]:
-            close(run)
-    for run in runs.values():
-        close(run)
+        if key in held or sends[vid]:
+            seconds, count = held.get(key, (0.0, 0))
+            held[key] = (seconds + tasks[vertices[vid].task_vertex].time, count + 1)
+        if leaves_to_outside[vid] or (key in held and (held[key][0] >= SEND_DELAY_S or held[key][1] >= SEND_DELAY_VERTICES)):
+            close(key)
+    for key in runs:
+        close(key)
     position = {vid: k for k, vid in enumerate(mg.serial)}
     segments.sort(key=lambda seg: position[seg[0]])  # in the serial order of their first vertices
     return segments
