@@ -28,7 +28,7 @@ from ..ir.budget import format_bytes
 from ..ir.memgraph import Stream
 from ..planners.costs import CostModel
 from .models.sizes import make_workload
-from .peers import eager
+from .peers import distributed, eager
 from .peers.common import OK, PeerResult, Workload, is_cuda, release_memory, timed_steps, trainable
 from .results import result_path
 

@@ -38,7 +38,8 @@ def test_gpus_match_eager_averaged_accumulation(devices, budget):
     assert any(mv.stream is Stream.D2D for mv in mg.vertices)
     for micro_batches, losses in zip(steps, want_losses):
         out = engine.run(mg, micro_batches)
-        assert torch.allclose(out["losses"].float().cpu(), losses.float().cpu(), rtol=1e-5, atol=1e-5)
+        got = out["losses"].float().cpu()
+        assert torch.allclose(got, losses.float().cpu(), rtol=1e-5, atol=1e-5), (got, losses)
     diff = _max_diff(mg.state_dict(), want)
     assert diff <= max(10 * spread, 2e-5), (diff, spread)
     for d in range(devices):  # every device holds its arena
