@@ -110,7 +110,6 @@ def run_eager(workload: Workload, device_type: str, steps: int, warmup: int, fus
 
 def run_peers(model: str, devices: int, systems: list[str], steps: int, limit_s: float, tiny: bool) -> list[dict]:
     """The N-GPU peers, each in its own torchrun (bench/peers/distributed.py)."""
-    from .peers import distributed
 
     rows = []
     for system in systems:

@@ -61,6 +61,9 @@ from .common import (
     trainable,
 )
 from .eager import training_step
+from .isolated import WorkloadSpec, build_workload
+from .zero_offload import ds_config
+from .zero_offload import estimated_bytes as single_gpu_bytes
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +118,6 @@ def refusal(name: str, device_type: str) -> PeerResult | None:
 
 def load_workload(model: str, tiny: bool, batch: int | None, snapshot: str | None) -> Workload:
     """The suite's workload by name (its snapshot, when given, instead of a second random initialization)."""
-    from .isolated import WorkloadSpec, build_workload  # the peer registry it imports is not needed before this
 
     return build_workload(WorkloadSpec(model, tiny=tiny, batch=batch, snapshot=snapshot))
 
@@ -198,7 +200,6 @@ def fsdp2_trainer(system: System, workload: Workload, device: torch.device, batc
 def deepspeed_trainer(system: System, workload: Workload, device: torch.device, batch) -> Trainer:
     import deepspeed  # optional: refusal() has checked it imports
 
-    from .zero_offload import ds_config
 
     # zero_offload's config: eager's math ("torch_autocast", no clipping), the workload's AdamW options,
     # offload_optimizer (and at stage 3 offload_param) to pinned CPU memory; the micro-batch is this rank's
@@ -227,7 +228,6 @@ def estimated_bytes(system: System, workload: Workload, world: int) -> tuple[int
     offload fetches the shards for the forward and again for the backward, as ZeRO-3 does."""
     if not system.offload:
         return 0, 0
-    from .zero_offload import estimated_bytes as single_gpu_bytes
 
     stage = system.zero_stage if system.kind == "deepspeed" else 3
     h2d, d2h = single_gpu_bytes(workload, stage, bf16_weights=False)
