@@ -42,6 +42,16 @@ def device_peaks(device_type: str, count: int) -> list[int | None]:
     return [int(torch.cuda.max_memory_reserved(d)) for d in range(count)]
 
 
+def device_memory(device_type: str, count: int) -> list[dict]:
+    """Each device's memory after the steps: peaks allocated and reserved, and what is held now."""
+    if device_type != "cuda":
+        return []
+    return [{"peak_allocated": int(torch.cuda.max_memory_allocated(d)),
+             "peak_reserved": int(torch.cuda.max_memory_reserved(d)),
+             "allocated": int(torch.cuda.memory_allocated(d)), "reserved": int(torch.cuda.memory_reserved(d))}
+            for d in range(count)]
+
+
 def reset_peaks(device_type: str, count: int) -> None:
     if device_type == "cuda":
         for d in range(count):
@@ -80,6 +90,7 @@ def run_turnip(workload: Workload, device_type: str, devices: int, budget: float
     timed_steps(result, lambda: engine.run(mg, batch)["loss"], steps, device_type, warmup=warmup)
     peaks = device_peaks(device_type, devices)
     result.extra["peak_reserved_per_device"] = peaks
+    result.extra["memory_per_device"] = device_memory(device_type, devices)
     result.peak_reserved = max(peaks) if peaks[0] is not None else None
     result.bytes_h2d, result.bytes_d2h = transfer_bytes(mg)
     if timeline is not None:  # one more step, untimed, with the timeline of every unit on every device

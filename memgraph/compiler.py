@@ -130,9 +130,9 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     states live there, and the other devices' replicas of the weight are refreshed from it by
     device-to-device copies. The budget is per device. engine.run(mg, batch) takes a list of one
     batch per device, or one batch with devices x the example's rows (split along dim 0);
-    out["losses"] holds each device's loss and out["loss"] their mean. Not yet: a planner that
-    models several devices (below the unplanned peak BuildMemGraph evicts what does not fit, the
-    planner "none"), accumulation_steps > 1 with devices, and weights sharded across devices.
+    out["losses"] holds each device's loss and out["loss"] their mean. The planners see the devices as
+    one device with N times the budget (plan_step says why that holds and what it misses). Not yet:
+    accumulation_steps > 1 with devices, and weights sharded across devices.
     planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
     the ILP solver may run; default None, scaled to the problem: planners/driver.py's
     ilp_time_limit, 0.5 ms per binary variable, 15 ms with op costs measured on the GPU, within
@@ -152,10 +152,6 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     device = target_device(device or default_device())
     device_count = read_devices(device, devices)
     measure_costs = planner != "none" or device_count > 1  # several devices: the simulator picks the build
-    if device_count > 1 and planner != "none":
-        log.info("the planners model one device so far: on %d devices BuildMemGraph evicts what does not fit "
-                 "(planner 'none')", device_count)
-        planner = "none"
     alignment = alignment or (256 if device.type == "cuda" else 64)
     started = time.perf_counter()
     with Phases(list(PHASES), enabled=verbose) as progress:
@@ -187,7 +183,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             cpu_bytes = cpu_limit.bytes(peak) if cpu_limit is not None else None
             log.debug("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
                       time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
-            if traced is not None and planner != "none" and gpu_budget < smallest_budget(tg, alignment):
+            if traced is not None and planner != "none" and tg.devices == 1 and \
+                    gpu_budget < smallest_budget(tg, alignment):
                 tg, loss_blocks = split_to_fit(traced, tg, gpu_budget, alignment, costs, progress)
             elif traced is not None and not backward and gpu_limit.size is not None:
                 whole = undonated_if_it_fits(traced, gpu_budget, alignment, costs)
@@ -385,17 +382,28 @@ def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: 
     """The plans to build: on CUDA with planner "auto" every candidate (the simulator picks), each
     also with its updates on the host (host_update "auto"), else the one plan (host_update "all":
     with every update on the host). The progress bar names what the planner does (greedy, the
-    ILP's time limit)."""
+    ILP's time limit).
+
+    A step on several devices is planned, for now, as if one device held all of them with N times
+    the budget. The devices' copies of the step are alike and run side by side, so each window of
+    the serial order holds about N times one device's compute, bytes and transfers, and the window's
+    time (its busiest resource), and so the plan that minimises it, scale alike; the builder then
+    holds each device to its own budget, evicting where a device's share of the plan does not fit.
+    Not modelled yet: each device's link against the host's total, device-to-device transfers, the
+    owners' unequal shares; and a weight homed on the host is stored once per replica."""
     def describe(detail: str) -> None:
         progress.describe("planning", detail)
 
+    plan_budget = gpu_budget * tg.devices
     if planner == "auto" and device.type == "cuda":
-        plans = plan_candidates(tg, gpu_budget, cpu_bytes, costs=costs, alignment=alignment, describe=describe,
+        plans = plan_candidates(tg, plan_budget, cpu_bytes, costs=costs, alignment=alignment, describe=describe,
                                 **options)
-        return host_update_candidates(tg, plans, host_update)
-    plan = make_plan(tg, gpu_budget, cpu_bytes, planner, costs=costs, alignment=alignment, describe=describe,
-                     **options)
-    return host_update_candidates(tg, [plan], "all" if host_update == "all" else "off")
+        plans = host_update_candidates(tg, plans, host_update)
+    else:
+        plan = make_plan(tg, plan_budget, cpu_bytes, planner, costs=costs, alignment=alignment, describe=describe,
+                         **options)
+        plans = host_update_candidates(tg, [plan], "all" if host_update == "all" else "off")
+    return [dataclasses.replace(plan, gpu_budget=gpu_budget) if tg.devices > 1 else plan for plan in plans]
 
 
 def build_candidates(tg, candidates: list[Plan], alignment: int, costs, backend: str) -> tuple[MemGraph, str | None]:

@@ -22,16 +22,21 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in b)
 
 
+def sgd(params):  # linear in the gradient: a rounding difference stays one (Adam's ratio amplifies those of
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)  # gradients that cancel to about zero up to lr)
+
+
 @pytest.mark.parametrize("devices", [2, torch.cuda.device_count() if torch.cuda.is_available() else 2])
-@pytest.mark.parametrize("budget", [None, 0.7])
-def test_gpus_match_eager_averaged_accumulation(devices, budget):
+@pytest.mark.parametrize("budget", [None, 0.7, 0.4])
+@pytest.mark.parametrize("make_opt", [sgd, adamw])
+def test_gpus_match_eager_averaged_accumulation(devices, budget, make_opt):
     model, loss_fn, batches = make_case("gpt", device="cuda")
     steps = per_device(batches, devices, steps=3)
-    want, want_losses = eager_data_parallel(model, loss_fn, steps, adamw)
-    again, _ = eager_data_parallel(model, loss_fn, steps, adamw)
+    want, want_losses = eager_data_parallel(model, loss_fn, steps, make_opt)
+    again, _ = eager_data_parallel(model, loss_fn, steps, make_opt)
     spread = _max_diff(again, want)  # eager against itself: the kernels' own run-to-run differences
     mine = copy.deepcopy(model)
-    mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()),
+    mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=make_opt(mine.parameters()),
                           device="cuda", devices=devices, budget=budget, verbose=False)
     assert memgraph.verify(mg) == []
     assert {p.device for mv in mg.vertices for p in mv.writes.values() if p.where == "gpu"} == set(range(devices))
@@ -41,7 +46,10 @@ def test_gpus_match_eager_averaged_accumulation(devices, budget):
         got = out["losses"].float().cpu()
         assert torch.allclose(got, losses.float().cpu(), rtol=1e-5, atol=1e-5), (got, losses)
     diff = _max_diff(mg.state_dict(), want)
-    assert diff <= max(10 * spread, 2e-5), (diff, spread)
+    # eager is deterministic here (spread 0): the bound is float rounding, SGD's tight; Adam's at most a
+    # share of one step's lr, where a near-zero gradient's own rounding decides its update's size
+    bound = 2e-5 if make_opt is sgd else 0.5 * 1e-3
+    assert diff <= max(10 * spread, bound), (diff, spread)
     for d in range(devices):  # every device holds its arena
         assert torch.cuda.memory_allocated(d) >= mg.arena_bytes
     mg.release(keep=False)
