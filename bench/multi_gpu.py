@@ -65,10 +65,10 @@ def d2d_bytes(mg) -> int:
 
 
 def run_turnip(workload: Workload, device_type: str, devices: int, budget: float, eager_peak: int | None,
-               steps: int, warmup: int, timeline: Path | None = None) -> dict:
+               steps: int, warmup: int, timeline: Path | None = None, planner: str = "auto") -> dict:
     """One turnip row: compile for `devices` devices within `budget` (a fraction of eager_peak per
     device, or of the unplanned peak without one), time the steps, read each device's peak."""
-    result = PeerResult("turnip", extra={"devices": devices, "budget": budget})
+    result = PeerResult("turnip", extra={"devices": devices, "budget": budget, "planner_requested": planner})
     arg = int(budget * eager_peak) if eager_peak else budget
     model = workload.model
     optimizer = workload.optimizer(trainable(model))
@@ -77,7 +77,7 @@ def run_turnip(workload: Workload, device_type: str, devices: int, budget: float
     started = time.perf_counter()
     try:
         mg = memgraph.compile(model, workload.loss_fn, workload.batch_on(device_type), optimizer=optimizer,
-                              budget=arg, device=device_type, devices=devices, verbose=False)
+                              budget=arg, device=device_type, devices=devices, planner=planner, verbose=False)
     except memgraph.InfeasibleBudget as exc:
         result.status, result.error = "infeasible", str(exc)[:600]
         return result.row()
@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--peers", default="", help="comma-separated systems of bench/peers/distributed.py")
     parser.add_argument("--peer-limit", type=float, default=240.0, help="seconds each peer may run")
+    parser.add_argument("--planner", default="auto", help="memgraph.compile's planner: auto, ilp, greedy, none")
     parser.add_argument("--one-device-too", action="store_true", help="turnip on one device at each budget too")
     parser.add_argument("--timelines", action="store_true", help="a Perfetto timeline of one step per turnip row")
     parser.add_argument("--out", default=None)
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for budget in [float(b.rstrip("%")) / (100 if b.endswith("%") else 1) for b in args.budgets.split(",") if b]:
         for devices in ([1] if args.one_device_too else []) + [args.devices]:
             timeline = out.with_name(f"{out.stem}_d{devices}_{budget:g}.timeline.json") if args.timelines else None
-            row = run_turnip(workload, args.device, devices, budget, eager_peak, args.steps, args.warmup, timeline)
+            row = run_turnip(workload, args.device, devices, budget, eager_peak, args.steps, args.warmup, timeline,
+                             args.planner)
             rows.append(row)
             log.info("turnip x%d @ %.0f%%: %s ms, peak %s per device", devices, budget * 100,
                      f"{row['step_s_median'] * 1e3:.1f}" if row.get("step_s_median") else row.get("error"),
