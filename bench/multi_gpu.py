@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--peers", default="", help="comma-separated systems of bench/peers/distributed.py")
     parser.add_argument("--peer-limit", type=float, default=240.0, help="seconds each peer may run")
+    parser.add_argument("--eager-peak", type=int, default=None, help="one-GPU eager's peak bytes, measured by an "
+                        "earlier run: the eager rows are skipped")
     parser.add_argument("--planner", default="auto", help="memgraph.compile's planner: auto, ilp, greedy, none")
     parser.add_argument("--one-device-too", action="store_true", help="turnip on one device at each budget too")
     parser.add_argument("--timelines", action="store_true", help="a Perfetto timeline of one step per turnip row")
@@ -148,10 +150,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     workload = make_workload(args.model, tiny=args.tiny)
-    rows = [run_eager(workload, args.device, args.steps, args.warmup, fused=False)]
-    if is_cuda(args.device):
-        rows.append(run_eager(workload, args.device, args.steps, args.warmup, fused=True))
-    eager_peak = rows[0].get("peak_reserved") if rows[0]["status"] == OK else None
+    rows, eager_peak = [], args.eager_peak
+    if eager_peak is None:
+        rows.append(run_eager(workload, args.device, args.steps, args.warmup, fused=False))
+        if is_cuda(args.device):
+            rows.append(run_eager(workload, args.device, args.steps, args.warmup, fused=True))
+        eager_peak = rows[0].get("peak_reserved") if rows[0]["status"] == OK else None
     out = Path(args.out) if args.out else result_path(f"multi_gpu_{args.model}_x{args.devices}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     for budget in [float(b.rstrip("%")) / (100 if b.endswith("%") else 1) for b in args.budgets.split(",") if b]:
