@@ -277,8 +277,10 @@ class CudaRuntime(Runtime):
         lane = self.lanes.get((item.key, item.instance))
         if lane is None:
             stream_class, dev = self.graph.keys[item.key]
-            # copies between GPUs are short and many (a gradient each): they run ahead like kernels
-            compute = stream_class in (Stream.COMPUTE, Stream.D2D)
+            # copies between GPUs are reported ahead like other copies (transfer_ahead), not like kernels:
+            # with 16 reported ahead, gpt1.3b on two H200s at 25% of eager's peak failed on a device-side
+            # assert in its third step (corrupted token ids), with 4 it ran; the race is not found yet
+            compute = stream_class is Stream.COMPUTE
             stream = (HostStream(f"turnip-host-{item.instance}", host_threads()) if stream_class is Stream.HOST
                       else torch.cuda.Stream(device=torch.device("cuda", dev)))
             lane = Lane(stream, compute, self._depth(compute))

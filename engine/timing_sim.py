@@ -342,7 +342,7 @@ class _Sim:
             stream, dev = self.g.keys[key]
             pool_name = stream.value if (self.duplex or stream in (Stream.COMPUTE, Stream.HOST, Stream.D2D)) else "link"
             name = f"{stream.value} {inst}" + (f" @{dev}" if dev else "")
-            depth = {Stream.COMPUTE: self.depth, Stream.D2D: self.depth, Stream.HOST: 0}.get(stream, self.transfer_depth)
+            depth = {Stream.COMPUTE: self.depth, Stream.HOST: 0}.get(stream, self.transfer_depth)
             lane = _Lane(name, (pool_name, dev), depth)
             self.lanes[(key, inst)] = lane
         return lane
