@@ -100,6 +100,19 @@ def test_smaller_budgets_evict_per_device_and_stay_bitwise(gpt_case, fraction):
         assert_matches_eager(mg, gpt_case, 2, ordering, seed=3)
 
 
+@pytest.mark.parametrize("planner, fraction", [("greedy", 0.5), ("ilp", 0.35)])
+def test_planned_budgets_home_weights_on_the_host_and_stay_bitwise(gpt_case, planner, fraction):
+    model, loss_fn, batches = gpt_case
+    mine = copy.deepcopy(model)
+    mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu", devices=2,
+                          budget=fraction, planner=planner, verbose=False)
+    assert memgraph.verify(mg) == []
+    assert mg.plan.planner == planner
+    assert mg.arena_bytes + mg.taskgraph.step_workspace() <= mg.plan.gpu_budget  # each device within its budget
+    for ordering in ("nondeterministic", "random"):
+        assert_matches_eager(mg, gpt_case, 2, ordering, seed=5)
+
+
 def test_clipping_sees_the_averaged_gradient(gpt_case):
     mg = compiled(gpt_case, 2, max_grad_norm=0.05)
     assert_matches_eager(mg, gpt_case, 2, max_grad_norm=0.05)
