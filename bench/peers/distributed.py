@@ -23,10 +23,8 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +33,7 @@ import torch
 
 from .common import ERROR, OK, OOM, SKIPPED, TIMEOUT, PeerResult
 from .distributed_worker import SYSTEMS, rank_failure_path, refusal, row_of
+from .isolated import run_limited
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +109,6 @@ def kill_tree(pid: int) -> None:
 
 
 # -- one run -------------------------------------------------------------------------------------
-
-def _forward_output(stream, prefix: str, tail: collections.deque) -> None:
-    """Log the run's output line by line (its progress) and keep the last lines for a failure's row."""
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
-        tail.append(line)
-        log.info("%s%s", prefix, line)
-    stream.close()
-
 
 def rank_logs(log_dir: Path, devices: int, lines: int = 20) -> dict[int, list[str]]:
     """The last ``lines`` non-empty lines of each rank's stderr (torchrun's --log-dir layout:
@@ -210,32 +200,21 @@ def run_distributed(system: str, model: str, devices: int, *, steps: int = 5, wa
                       device=device, snapshot=snapshot, deadline=time.time() + limit_s - margin,
                       save_weights=save_weights, log_dir=Path(folder) / "logs")
         log.info("%s on %d devices: %s (limit %.0fs)", system, devices, " ".join(cmd[1:]), limit_s)
-        t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, env=worker_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
-        reader = threading.Thread(target=_forward_output, args=(proc.stdout, f"[{system}] ", tail), daemon=True)
-        reader.start()
-        killed = False
-        try:
-            proc.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            killed = True
-            log.warning("%s: no result after %.0fs: killing torchrun and its ranks", system, limit_s)
-        finally:
-            kill_tree(proc.pid)  # stragglers too, after a normal exit
-            proc.wait()
-            reader.join(timeout=10)
-        process_s = time.monotonic() - t0
+        # torchrun runs each rank in a session of its own: kill_tree finds them (stragglers too, after an exit)
+        ran = run_limited(cmd, worker_env(devices), limit_s, lambda line: log.info("[%s] %s", system, line),
+                          TAIL_LINES, kill=kill_tree)
+        killed, tail, process_s = ran.killed, ran.tail, ran.seconds
+        if killed:
+            log.warning("%s: no result after %.0fs: killed torchrun and its ranks", system, limit_s)
         row = None
         if out.exists() and not killed:
             with contextlib.suppress(ValueError, OSError):
                 row = json.loads(out.read_text())
         if row is None:
             row = failure_row(system, devices, out, tail, killed=killed, limit_s=limit_s,
-                              returncode=proc.returncode, logs=rank_logs(Path(folder) / "logs", devices))
+                              returncode=ran.returncode, logs=rank_logs(Path(folder) / "logs", devices))
     row = {"model": model + ("-tiny" if tiny else ""), "budget": None, **row, "process_s": process_s,
-           "returncode": proc.returncode}
+           "returncode": ran.returncode}
     if row["status"] != OK:
         row["log_tail"] = "\n".join(tail)[-6000:]
     log.info("%s on %d devices: %s in %.1fs%s", system, devices, row["status"], process_s,

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -209,12 +210,12 @@ def site_for(system: str, sites: dict[str, list[str]] | None = None) -> list[str
     return paths
 
 
-def _forward_output(stream, prefix: str, tail: collections.deque) -> None:
-    """Copy the child's output to our stderr line by line (a live log), keeping the last lines."""
+def _forward_output(stream, show: Callable[[str], None], tail: collections.deque) -> None:
+    """Show the child's output line by line (a live log), keeping the last lines."""
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
         tail.append(line)
-        sys.stderr.write(f"{prefix}{line}\n")
+        show(line)
     stream.close()
 
 
@@ -222,6 +223,38 @@ def _kill_group(pid: int) -> None:
     """SIGKILL the child's process group (the child and whatever it started: a compiler, workers)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+
+
+@dataclass
+class Ran:
+    """How a child run under a limit ended."""
+
+    returncode: int
+    killed: bool  # the limit ran out
+    tail: list[str]  # its last lines of output
+    seconds: float
+
+
+def run_limited(command: list[str], env: dict, limit_s: float, show: Callable[[str], None], tail_lines: int,
+                kill: Callable[[int], None] = _kill_group) -> Ran:
+    """Run ``command`` in a session of its own, its output shown line by line by ``show``, killed by
+    ``kill(pid)`` after ``limit_s`` seconds, and after it exits too (whatever it left running)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    tail: collections.deque = collections.deque(maxlen=tail_lines)
+    reader = threading.Thread(target=_forward_output, args=(proc.stdout, show, tail), daemon=True)
+    reader.start()
+    killed = False
+    try:
+        proc.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        killed = True
+    finally:
+        kill(proc.pid)
+        proc.wait()
+        reader.join(timeout=10)
+    return Ran(proc.returncode, killed, list(tail), time.monotonic() - t0)
 
 
 def run_isolated(system: str, workload: WorkloadSpec, device, steps: int, limit_s: float, warmup: int = 1,
@@ -248,23 +281,10 @@ def run_isolated(system: str, workload: WorkloadSpec, device, steps: int, limit_
                                                            if p]])
         command = [sys.executable, "-m", "turnip.bench.peers.isolated", "--request", str(request_path)]
         log.info("%s: own process, limit %.0fs%s", name, limit_s, f", site {extra}" if extra else "")
-        t0 = time.monotonic()
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
-        reader = threading.Thread(target=_forward_output, args=(proc.stdout, f"[{name}] ", tail), daemon=True)
-        reader.start()
-        killed = False
-        try:
-            proc.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            killed = True
-            log.warning("%s: no result after %.0fs: killing it", name, limit_s)
-        finally:
-            _kill_group(proc.pid)  # stragglers too, after a normal exit
-            proc.wait()
-            reader.join(timeout=10)
-        wall_s = time.monotonic() - t0
+        ran = run_limited(command, env, limit_s, lambda line: sys.stderr.write(f"[{name}] {line}\n"), TAIL_LINES)
+        killed, tail, wall_s = ran.killed, ran.tail, ran.seconds
+        if killed:
+            log.warning("%s: no result after %.0fs: killed it", name, limit_s)
         result = None
         if result_path.exists():
             try:
@@ -275,15 +295,15 @@ def run_isolated(system: str, workload: WorkloadSpec, device, steps: int, limit_
         result = PeerResult(name)
         if killed:
             result.status, result.error = TIMEOUT, f"killed after {limit_s:.0f}s without a result"
-        elif proc.returncode == -signal.SIGKILL:
+        elif ran.returncode == -signal.SIGKILL:
             result.status, result.error = OOM, "killed by SIGKILL without a result (the host's out-of-memory killer?)"
         else:
             last = next((line for line in reversed(tail) if line.strip()), "")
             result.status = ERROR
-            result.error = f"the process exited with {proc.returncode} without a result: {last}"[:600]
+            result.error = f"the process exited with {ran.returncode} without a result: {last}"[:600]
     if result.status != OK:
         result.extra["log_tail"] = "\n".join(tail)[-3000:]
-    result.extra.update(process_s=wall_s, returncode=proc.returncode)
+    result.extra.update(process_s=wall_s, returncode=ran.returncode)
     log.info("%s: %s in %.1fs (own process)", name, result.status, wall_s)
     return result
 
