@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 from cases import assert_same_optimizer_state
+from test_optimizer_export import eager_step, loss_fn
 from turnip.bench.models.mlp import MLP
 from turnip.trace.errors import UnsupportedFeature
 
@@ -43,23 +44,11 @@ OPTIMIZERS = {  # each optimizer with its main options; several cases where opti
 BUDGETS = [1.0, 0.6, 0.35]
 
 
-def loss_fn(m, b):
-    return torch.nn.functional.mse_loss(m(b[0]), b[1])
-
-
 def make(steps: int = STEPS):
     torch.manual_seed(0)
     model = MLP(8, 16, 4, depth=3)
     batches = [(torch.randn(16, 8), torch.randn(16, 4)) for _ in range(steps)]
     return model, batches
-
-
-def eager_step(model, opt, batch):
-    opt.zero_grad()
-    loss = loss_fn(model, batch)
-    loss.backward()
-    opt.step()
-    return loss.detach()
 
 
 def eager(model, make_opt, batches, make_sched=None):
