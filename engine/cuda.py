@@ -361,7 +361,9 @@ class CudaRuntime(Runtime):
     # -- vertices (run on the loop thread, on the current stream: the lane's) -----------------
     def run_compute(self, vid: int, prepared: PreparedVertex) -> None:
         ctx = self._ctx
-        prepared(ctx.scalars, ctx.rng_state(prepared.vertex), ctx.device)
+        # a random op draws from its own GPU's generator, set to the state eager's one generator had
+        device = ctx.device if not prepared.vertex.device else torch.device("cuda", prepared.vertex.device)
+        prepared(ctx.scalars, ctx.rng_state(prepared.vertex), device)
 
     def run_transfer(self, vid: int, pairs: tuple) -> None:
         for dst, src in pairs:

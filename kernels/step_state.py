@@ -24,7 +24,10 @@ class RngReplay:
     def __init__(self, taskgraph: TaskGraph, device: torch.device):
         self.taskgraph = taskgraph
         self.device = torch.device(device)
-        self.vertices = [v for v in taskgraph.vertices if v.random and v.recompute_of < 0]
+        # in eager's draw order: on several devices the program order interleaves them, eager's loop draws
+        # device 0's micro-batch, then device 1's (trace/data_parallel.py keeps each one's order)
+        self.vertices = sorted((v for v in taskgraph.vertices if v.random and v.recompute_of < 0),
+                               key=lambda v: (v.device, v.id))
         self._scratch: dict[tuple, torch.Tensor] = {}
         self._advances: list[int] | None = None  # CUDA: offset advance of each random vertex
 

@@ -206,3 +206,35 @@ def test_segments_stay_on_one_device_and_launch_as_units(gpt_case):
     mg.segments = segments
     assert segment_problems(mg) == []
     assert memgraph.verify(mg) == []
+
+
+def _batchnorm_case():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(inplace=True),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4))
+
+    def loss_fn(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    return model, loss_fn, [(torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))) for _ in range(3)]
+
+
+@pytest.mark.parametrize("name", ["dropout", "batchnorm"])
+@pytest.mark.parametrize("devices", [2, 3])
+def test_dropout_and_batchnorm_statistics_follow_eagers_device_order(name, devices):
+    """Eager's loop draws device 0's dropout masks, then device 1's, ..., from one generator, and
+    updates BatchNorm's running statistics with each micro-batch in turn: so does the step."""
+    case = make_case("gpt", dropout=0.1) if name == "dropout" else _batchnorm_case()
+    model, loss_fn, batches = case
+    mine = copy.deepcopy(model)
+    mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu",
+                          devices=devices, verbose=False)
+    steps = per_device(batches, devices)
+    torch.manual_seed(11)
+    want, want_losses = eager_data_parallel(model, loss_fn, steps, adamw)
+    torch.manual_seed(11)
+    for micro_batches, losses in zip(steps, want_losses):
+        assert torch.equal(engine.run(mg, micro_batches, ordering="random", seed=2)["losses"], losses)
+    got = mg.state_dict()
+    for key, tensor in want.items():  # running_mean / running_var / num_batches_tracked included
+        assert torch.equal(got[key], tensor), key

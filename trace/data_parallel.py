@@ -309,6 +309,15 @@ def _interleaved(tg: TaskGraph, micro_of: dict[int, int], count: int) -> TaskGra
             rank[vertex.id] = local[vertex.id]
         else:
             rank[vertex.id] = max((rank[p] for p in preds), default=0)
+    # a micro-batch's random ops keep their traced order, so drawing them device after device in that order
+    # (kernels/step_state.py, RngReplay) is eager's draw order: micro-batch 0's, then 1's, ...
+    last_random: dict[int, int] = {}
+    for vertex in tg.vertices:
+        if vertex.random and vertex.id in micro_of:
+            m = micro_of[vertex.id]
+            if m in last_random:
+                waits[vertex.id].add(last_random[m])
+            last_random[m] = vertex.id
     users: dict[int, list[int]] = {v.id: [] for v in tg.vertices}
     for vid, preds in waits.items():
         for p in preds:
