@@ -213,6 +213,9 @@ class CudaRuntime(Runtime):
         return True
 
     def close(self) -> None:
+        for stream in self._outgoing.values():  # fenced into the lanes already; these go back idle
+            stream.synchronize()
+        self._outgoing.clear()
         for lane in self.lanes.values():
             lane.stream.synchronize()
             if lane.host:
