@@ -91,79 +91,172 @@ def need_times(problem: Problem, kinds: list[str]) -> list[int]:
 
 def structural_problems(problem: Problem, decisions: Decisions, at: list[int] | None = None) -> list[str]:
     """Reasons the decisions are outside the option space (independent of budgets)."""
-    at = need_times(problem, decisions.groups) if at is None else at
-    out = []
+    return chosen_options(problem, decisions, need_times(problem, decisions.groups) if at is None else at)[1]
+
+
+def chosen_options(problem: Problem, decisions: Decisions, at: list[int]) -> tuple[list[int], list[str]]:
+    """(per group the index of its option for its decision and need time, -1 where it has none; the
+    reasons the decisions are outside the option space)."""
+    options, out = [], []
+    kinds, cpu = decisions.groups, decisions.cpu
     for gi, g in enumerate(problem.groups):
-        kind = decisions.groups[gi]
-        if g.option(kind, at[gi]) is None:
+        kind = kinds[gi]
+        oi = g.index.get((kind, -1) if kind == KEEP else (kind, at[gi]))
+        if oi is None:
+            options.append(-1)
             out.append(f"group {gi} (vertex {g.vertex}) cannot {kind} for position {at[gi]}")
             continue
+        options.append(oi)
         if kind == RECOMPUTE:
             for w in g.persistent:
                 ii = problem.item_of[w]
-                if decisions.cpu[ii] and not problem.items[ii].covers(w, at[gi]):
+                if cpu[ii] and not problem.items[ii].covers(w, at[gi]):
                     out.append(f"group {gi} recomputes at {at[gi]} where CPU-homed value {w} is absent")
-    return out
+    return options, out
+
+
+class _Tables:
+    """Each option's and item's effects as flat arrays (built once per Problem), so evaluate adds
+    the chosen ones with numpy in the order a loop over groups, then items, would: every float sum
+    is the same sequence of additions (np.add.at and np.cumsum add one element after another), so
+    the Evaluation is the loop's bit for bit."""
+
+    def __init__(self, problem: Problem):
+        self.key = (len(problem.groups), len(problem.items))
+        self.offset = []  # group -> global id of its first option
+        kinds, nbytes, seconds = [], [], []
+        c_win, c_sec, d2h_win, d2h_b, h2d_win, h2d_b = [], [], [], [], [], []
+        iv_lo, iv_hi, iv_b, iv_of, host_win, host_sec, host_of = [], [], [], [], [], [], []
+        for g in problem.groups:
+            self.offset.append(len(kinds))
+            for opt in g.options:
+                k = len(kinds)
+                kinds.append(opt.kind)
+                nbytes.append(g.nbytes)
+                seconds.append(option_seconds(problem, opt))
+                for first, last, b in opt.intervals:
+                    iv_lo.append(first), iv_hi.append(last + 1), iv_b.append(b), iv_of.append(k)
+                if opt.extra:
+                    iv_lo.append(opt.at), iv_hi.append(opt.at + 1), iv_b.append(opt.extra), iv_of.append(k)
+                c_win.append(opt.compute[0] if opt.compute is not None else -1)
+                c_sec.append(opt.compute[1] if opt.compute is not None else 0.0)
+                h2d_win.append(opt.h2d[0] if opt.h2d is not None else -1)
+                h2d_b.append(opt.h2d[1] if opt.h2d is not None else 0)
+                d2h_win.append(opt.d2h[0] if opt.d2h is not None else -1)
+                d2h_b.append(opt.d2h[1] if opt.d2h is not None else 0)
+                for w, t in opt.host:
+                    host_win.append(w), host_sec.append(t), host_of.append(k)
+        self.kind = kinds
+        self.nbytes = nbytes
+        self.seconds = np.array(seconds, dtype=np.float64)
+        self.c_win, self.c_sec = np.array(c_win, dtype=np.int64), np.array(c_sec, dtype=np.float64)
+        self.h2d_win, self.h2d_b = np.array(h2d_win, dtype=np.int64), np.array(h2d_b, dtype=np.float64)
+        self.d2h_win, self.d2h_b = np.array(d2h_win, dtype=np.int64), np.array(d2h_b, dtype=np.float64)
+        self.iv = _Ragged(len(kinds), iv_of, (iv_lo, np.int64), (iv_hi, np.int64), (iv_b, np.int64))
+        self.host = _Ragged(len(kinds), host_of, (host_win, np.int64), (host_sec, np.float64))
+        # items, each a run of entries in dict order (the loop's order)
+        it_of, it_lo, it_hi, it_b = [], [], [], []
+        ih_of, ih_win, ih_b, id_of, id_win, id_b, ihost_of, ihost_win, ihost_sec = ([] for _ in range(9))
+        self.item_seconds = np.array([item_seconds(problem, item) for item in problem.items], dtype=np.float64)
+        for ii, item in enumerate(problem.items):
+            for first, last, b in item.delta:
+                it_of.append(ii), it_lo.append(first), it_hi.append(last + 1), it_b.append(b)
+            for k, b in item.h2d.items():
+                ih_of.append(ii), ih_win.append(k), ih_b.append(b)
+            for k, b in item.d2h.items():
+                id_of.append(ii), id_win.append(k), id_b.append(b)
+            for k, t in item.host.items():
+                ihost_of.append(ii), ihost_win.append(k), ihost_sec.append(t)
+        n_items = len(problem.items)
+        self.it_iv = _Ragged(n_items, it_of, (it_lo, np.int64), (it_hi, np.int64), (it_b, np.int64))
+        self.it_h2d = _Ragged(n_items, ih_of, (ih_win, np.int64), (ih_b, np.float64))
+        self.it_d2h = _Ragged(n_items, id_of, (id_win, np.int64), (id_b, np.float64))
+        self.it_host = _Ragged(n_items, ihost_of, (ihost_win, np.int64), (ihost_sec, np.float64))
+        self.it_nbytes = [item.nbytes for item in problem.items]
+        self.it_state = [item.kind == "optimizer_state" for item in problem.items]
+
+
+class _Ragged:
+    """Per owner (an option or an item) a run of entries, stored flat in owner order: ``pick``
+    gives the entries of the owners asked for, in the order asked. columns: (values, dtype)."""
+
+    def __init__(self, owners: int, of: list[int], *columns):
+        self.start = np.searchsorted(np.array(of, dtype=np.int64), np.arange(owners + 1))
+        self.columns = [np.array(values, dtype=dtype) for values, dtype in columns]
+
+    def pick(self, owners: np.ndarray) -> list[np.ndarray]:
+        lo = self.start[owners]
+        counts = self.start[owners + 1] - lo
+        total = int(counts.sum())
+        if not total:
+            return [c[:0] for c in self.columns]
+        # each owner's run lo..hi-1, owners in the order given
+        index = np.repeat(lo - np.cumsum(counts) + counts, counts) + np.arange(total)
+        return [c[index] for c in self.columns]
+
+
+def _tables(problem: Problem) -> _Tables:
+    tables = problem.__dict__.get("_eval_tables")
+    if tables is None or tables.key != (len(problem.groups), len(problem.items)):
+        tables = problem.__dict__["_eval_tables"] = _Tables(problem)
+    return tables
+
+
+def _in_order_sum(values: np.ndarray) -> float:
+    """values[0] + values[1] + ... one after another, as a loop adding them to 0.0 would."""
+    return float(np.cumsum(values)[-1]) if len(values) else 0.0
 
 
 def evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
     n = problem.n
+    tables = _tables(problem)
+    at = need_times(problem, decisions.groups)
+    options, reasons = chosen_options(problem, decisions, at)
+    offset = tables.offset
+    chosen = [offset[gi] + oi for gi, oi in enumerate(options) if oi >= 0]  # global option ids, in group order
+    sel = np.array(chosen, dtype=np.int64)
+    homed = np.array([ii for ii, on_cpu in enumerate(decisions.cpu) if on_cpu], dtype=np.int64)
+
     diff = np.zeros(n + 1, dtype=np.int64)
+    lo, hi, b = tables.iv.pick(sel)
+    ilo, ihi, ib = tables.it_iv.pick(homed)
+    nbytes = np.concatenate([b, ib])
+    np.add.at(diff, np.concatenate([lo, ilo]), nbytes)
+    np.add.at(diff, np.concatenate([hi, ihi]), -nbytes)
+
     compute = problem.base_compute.copy()
+    c_win, c_sec = tables.c_win[sel], tables.c_sec[sel]
+    recomputed = c_win >= 0
+    np.add.at(compute, c_win[recomputed], c_sec[recomputed])
+
     host = problem.base_host.copy()
+    hw, hs = tables.host.pick(sel)
+    ihw, ihs = tables.it_host.pick(homed)
+    host_sec = np.concatenate([hs, ihs])
+    np.add.at(host, np.concatenate([hw, ihw]), host_sec)
+
     h2d = problem.base_h2d.copy()
     d2h = problem.base_d2h.copy()
-    at = need_times(problem, decisions.groups)
-    reasons = structural_problems(problem, decisions, at)
-    cpu_bytes = 0.0
-    moved = 0.0  # seconds of transfers, recomputation and launches, hidden or not
-    options = []
+    for arr, win, by, ragged in ((h2d, tables.h2d_win, tables.h2d_b, tables.it_h2d),
+                                 (d2h, tables.d2h_win, tables.d2h_b, tables.it_d2h)):
+        w, bb = win[sel], by[sel]
+        moves = w >= 0
+        iw, ibb = ragged.pick(homed)
+        np.add.at(arr, np.concatenate([w[moves], iw]), np.concatenate([bb[moves], ibb]))
+
+    moved = _in_order_sum(np.concatenate([tables.seconds[sel], tables.item_seconds[homed]]))
     mix = {"bytes_kept": 0, "bytes_offloaded": 0, "bytes_recomputed": 0, "bytes_weights_streamed": 0,
-           "bytes_states_streamed": 0, "recompute_seconds": 0.0, "host_seconds": 0.0,
-           "host_seconds_added": 0.0}
-    for gi, g in enumerate(problem.groups):
-        oi = g.option(decisions.groups[gi], at[gi])
-        options.append(-1 if oi is None else oi)
-        if oi is None:
-            continue
-        opt = g.options[oi]
-        for first, last, b in opt.intervals:
-            diff[first] += b
-            diff[last + 1] -= b
-        if opt.extra:
-            diff[opt.at] += opt.extra
-            diff[opt.at + 1] -= opt.extra
-        if opt.compute is not None:
-            compute[opt.compute[0]] += opt.compute[1]
-            mix["recompute_seconds"] += opt.compute[1]
-        for k, t in opt.host:
-            host[k] += t
-            mix["host_seconds_added"] += t
-        moved += option_seconds(problem, opt)
-        if opt.h2d is not None:
-            h2d[opt.h2d[0]] += opt.h2d[1]
-        if opt.d2h is not None:
-            d2h[opt.d2h[0]] += opt.d2h[1]
-        if opt.kind == OFFLOAD:
-            cpu_bytes += g.nbytes
-        mix[{KEEP: "bytes_kept", OFFLOAD: "bytes_offloaded", RECOMPUTE: "bytes_recomputed"}[opt.kind]] += g.nbytes
-    for ii, item in enumerate(problem.items):
-        if not decisions.cpu[ii]:
-            continue
-        for first, last, b in item.delta:
-            diff[first] += b
-            diff[last + 1] -= b
-        for k, b in item.h2d.items():
-            h2d[k] += b
-        for k, b in item.d2h.items():
-            d2h[k] += b
-        for k, t in item.host.items():
-            host[k] += t
-            mix["host_seconds_added"] += t
-        moved += item_seconds(problem, item)
-        cpu_bytes += item.nbytes
-        key = "bytes_states_streamed" if item.kind == "optimizer_state" else "bytes_weights_streamed"
-        mix[key] += item.nbytes
+           "bytes_states_streamed": 0, "recompute_seconds": _in_order_sum(c_sec[recomputed]), "host_seconds": 0.0,
+           "host_seconds_added": _in_order_sum(host_sec)}
+    cpu_bytes = 0.0
+    for k in chosen:
+        kind = tables.kind[k]
+        if kind == OFFLOAD:
+            cpu_bytes += tables.nbytes[k]
+        mix[{KEEP: "bytes_kept", OFFLOAD: "bytes_offloaded", RECOMPUTE: "bytes_recomputed"}[kind]] += tables.nbytes[k]
+    for ii in homed.tolist():
+        cpu_bytes += tables.it_nbytes[ii]
+        mix["bytes_states_streamed" if tables.it_state[ii] else "bytes_weights_streamed"] += tables.it_nbytes[ii]
     profile = problem.base + np.cumsum(diff[:n])
     peak_pos = int(np.argmax(profile)) if n else 0
     peak = int(profile[peak_pos]) if n else 0
