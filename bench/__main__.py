@@ -9,6 +9,7 @@
                                                           # model's full tables, split runs merged
     python -m turnip.bench soak [--tiny] [--budgets 0.5,0.25] [--steps 1000]   # memory and step time over many
                                                           # steps; fails on growth (its own options: soak -h)
+    python -m turnip.bench suite --devices 2 --systems ddp,fsdp2   # the same as multi_gpu (below), suite's flags
     python -m turnip.bench multi_gpu --devices 2 [--budgets 1.0,0.5,0.25] [--peers ddp,fsdp2]   # every GPU of the
                                                           # host in one MemGraph (its own options: multi_gpu -h)
 
@@ -70,6 +71,16 @@ def _sites(items: list[str] | None) -> dict[str, list[str]]:
 
 
 def suite(args) -> int:
+    if args.devices > 1:  # every GPU of the host in one MemGraph, beside the peers users run on as many
+        argv = ["--devices", str(args.devices), "--model", _names(args.models or "gpt1.3b")[0],
+                "--planner", args.planner] + ["--tiny"] * args.tiny + ["--no-plots"] * args.no_plots
+        for flag, value in (("--budgets", args.budgets), ("--steps", args.steps), ("--warmup", args.warmup),
+                            ("--device", args.device), ("--peers", args.systems), ("--peer-limit", args.peer_limit),
+                            ("--out", args.out and str(Path(args.out) / f"multi_gpu_x{args.devices}.json"))):
+            if value is not None:
+                argv += [flag, str(value)]
+        multi_gpu_main(argv)
+        return 0
     device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     try:
         systems = expand_systems(_names(args.systems) if args.systems
@@ -179,6 +190,8 @@ def main(argv=None) -> int:
                         "(repeatable; also $TURNIP_PEER_SITE_<system>)")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models, CPU device: the suite in < 1 min")
     parser.add_argument("--device", help="cuda (default when available) or cpu")
+    parser.add_argument("--devices", type=int, default=1, help="suite: turnip on this many devices in one MemGraph "
+                        "beside the torchrun peers (bench/multi_gpu.py; --systems names the peers: ddp, fsdp2, ...)")
     parser.add_argument("--out", help="folder for JSON/PNG (default bench/results or $TURNIP_RESULTS)")
     parser.add_argument("--results", help="plots, table: folder to read (default --out)")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name (split runs of one model)")

@@ -90,8 +90,10 @@ def run_turnip(workload: Workload, device_type: str, devices: int, budget: float
     timed_steps(result, lambda: engine.run(mg, batch)["loss"], steps, device_type, warmup=warmup)
     peaks = device_peaks(device_type, devices)
     result.extra["peak_reserved_per_device"] = peaks
-    result.extra["memory_per_device"] = device_memory(device_type, devices)
+    memory = device_memory(device_type, devices)
+    result.extra["memory_per_device"] = memory
     result.peak_reserved = max(peaks) if peaks[0] is not None else None
+    result.peak_allocated = max((m["peak_allocated"] for m in memory), default=None)
     result.bytes_h2d, result.bytes_d2h = transfer_bytes(mg)
     if timeline is not None:  # one more step, untimed, with the timeline of every unit on every device
         engine.run(mg, batch, timeline=timeline)
@@ -145,6 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--planner", default="auto", help="memgraph.compile's planner: auto, ilp, greedy, none")
     parser.add_argument("--one-device-too", action="store_true", help="turnip on one device at each budget too")
     parser.add_argument("--timelines", action="store_true", help="a Perfetto timeline of one step per turnip row")
+    parser.add_argument("--no-plots", action="store_true", help="no Pareto plot beside the JSON")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -172,4 +175,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out.write_text(json.dumps({"model": workload.name, "devices": args.devices, "device": args.device,
                                "eager_peak": eager_peak, "info": workload.info, "rows": rows}, indent=1, default=str))
     log.info("wrote %s", out)
+    if not args.no_plots:
+        from .plots import plot_pareto  # noqa: PLC0415 - matplotlib is optional
+
+        png = plot_pareto(rows, out.with_suffix(".png"),
+                          title=f"{workload.name} on {args.devices} devices: step time vs peak memory per device")
+        log.info("drew %s", png)
     return rows

@@ -23,6 +23,7 @@ OPTIONAL_LOCAL = {
     ("turnip.bench.suite", "turnip.bench.plots"),  # matplotlib
     ("turnip.bench.__main__", "turnip.bench.plots"),  # matplotlib
     ("turnip.bench.ablation", "turnip.bench.plots"),  # matplotlib
+    ("turnip.bench.multi_gpu", "turnip.bench.plots"),  # matplotlib
     ("turnip.bench.models.sizes", "turnip.bench.models.llama"),  # transformers
 }
 
