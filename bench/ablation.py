@@ -170,14 +170,17 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 # -- on the device -------------------------------------------------------------------------------
 
-def device_ablation(model_name: str, budget: float, repeat: int, device: str, time_limit: float) -> dict:
+def device_ablation(model_name: str, budget: float, repeat: int, device: str, time_limit: float,
+                    devices: int = 1) -> dict:
     """Both orderings on one compiled MemGraph, alternating, plus the simulator's prediction of each
-    (bench/engine_variants.py's rounds, with the engine's default transfer_ahead)."""
+    (bench/engine_variants.py's rounds, with the engine's default transfer_ahead); on `devices`
+    devices of one host, one MemGraph over all of them."""
     workload = make_workload(model_name, tiny=device == "cpu")
-    part = run_budget(workload, device, budget, settings(list(ORDERINGS), [None]), repeat, {},
-                      time.monotonic() + time_limit)
+    part = run_budget(workload, device, budget, settings(list(ORDERINGS), [None]), repeat,
+                      {"devices": devices} if devices > 1 else {}, time.monotonic() + time_limit)
     rows = part["settings"]
-    result = {"model": workload.name, "budget": budget, "compile_s": part["compile_s"], "summary": part["summary"],
+    result = {"model": workload.name, "budget": budget, "devices": devices, "compile_s": part["compile_s"],
+              "summary": part["summary"],
               "rounds": min(len(row["step_s"]) for row in rows)}
     for row in rows:
         result[row["ordering"]] = {key: row[key] for key in ("step_s", "median_s", "min_s", "max_s", "losses",
@@ -195,6 +198,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=0.5, help="device part: fraction of the unplanned peak")
     parser.add_argument("--repeat", type=int, default=10, help="device part: rounds of both orderings")
     parser.add_argument("--time-limit", type=float, default=400.0, help="device part: seconds of rounds")
+    parser.add_argument("--devices", type=int, default=1, help="device part: one MemGraph over this many devices")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -225,8 +229,8 @@ def main(argv=None) -> int:
               f"[{s['det_over_nondet_min']:.3f}, {s['det_over_nondet_max']:.3f}]  nondet wins {s['nondet_wins']}"
               f"/{s['seeds']}")
     if args.device:
-        dev = device_ablation(args.model, args.budget, args.repeat, args.device, args.time_limit)
-        dpath = out / f"ablation_device_{dev['model']}.json"
+        dev = device_ablation(args.model, args.budget, args.repeat, args.device, args.time_limit, args.devices)
+        dpath = out / f"ablation_device_{dev['model']}{f'_x{args.devices}' if args.devices > 1 else ''}.json"
         dpath.write_text(json.dumps({"benchmark": "ablation_device", **run_metadata(), **dev}, indent=1,
                                     default=str))
         for o in ORDERINGS:

@@ -61,11 +61,12 @@ def label(setting: dict) -> str:
 
 def run_budget(workload, device: str, budget: float, variants: list[dict], rounds: int, options: dict,
                deadline: float) -> dict:
-    batch = workload.batch_on(device)
+    example = workload.batch_on(device)
     started = time.perf_counter()
-    mg = memgraph.compile(workload.model, workload.loss_fn, batch, optimizer=workload.optimizer(
+    mg = memgraph.compile(workload.model, workload.loss_fn, example, optimizer=workload.optimizer(
         trainable(workload.model)), budget=budget, device=device, verbose=False, **options)
     compile_s = time.perf_counter() - started
+    batch = [example] * mg.taskgraph.devices if mg.taskgraph.devices > 1 else example  # options' devices=N
     times = {label(s): [] for s in variants}
     losses = {label(s): [] for s in variants}
     engine.run(mg, batch)  # warm-up: arena, pinned storage, segment capture
