@@ -112,10 +112,11 @@ def build(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, compact: bool 
     for CUDA, 1 on the CPU (where a launch costs little and single vertices let the runtime, and the
     tests' random orders, choose the most)."""
     graph, order = _expanded(taskgraph, plan, alignment)
-    mg = _walk(graph, order, plan, alignment, compact, segment_size)
+    sched = Schedule(graph, order, plan, alignment)  # both walks read it, neither changes it
+    mg = _walk(graph, order, plan, alignment, compact, segment_size, sched=sched)
     planned = _planned_offload(graph, plan)
     if not compact and mg.summary()["bytes_offloaded"] > planned:
-        packed = _compact_walk(graph, order, plan, alignment, segment_size)
+        packed = _compact_walk(graph, order, plan, alignment, segment_size, sched)
         if packed is not None:
             log.info("allocate-ahead build offloads %d bytes beyond the plan's %d; the packed build %d",
                      mg.summary()["bytes_offloaded"] - planned, planned, packed.summary()["bytes_offloaded"] - planned)
@@ -130,8 +131,9 @@ def build_walks(taskgraph: TaskGraph, plan: Plan, alignment: int = 256,
     the plan's budget, each once, for a caller that compares them (memgraph.compile simulates
     both). Raises InfeasibleBudget when the allocate-ahead walk cannot build."""
     graph, order = _expanded(taskgraph, plan, alignment)
-    walks = [_walk(graph, order, plan, alignment, False, segment_size)]
-    packed = _compact_walk(graph, order, plan, alignment, segment_size)
+    sched = Schedule(graph, order, plan, alignment)
+    walks = [_walk(graph, order, plan, alignment, False, segment_size, sched=sched)]
+    packed = _compact_walk(graph, order, plan, alignment, segment_size, sched)
     return walks + ([packed] if packed is not None else [])
 
 
@@ -154,12 +156,12 @@ def _expanded(taskgraph: TaskGraph, plan: Plan, alignment: int) -> tuple[TaskGra
 
 
 def _compact_walk(graph: TaskGraph, order: list[int], plan: Plan, alignment: int,
-                  segment_size: int | str | None) -> MemGraph | None:
+                  segment_size: int | str | None, sched: Schedule | None = None) -> MemGraph | None:
     """The compact walk at the plan's own budget, or None where it runs out of memory there."""
     started = time.perf_counter()
     try:
         with _no_cycle_collection():
-            mg = _attempt(graph, order, plan, alignment, plan.gpu_budget, compact=True)
+            mg = _attempt(graph, order, plan, alignment, plan.gpu_budget, sched, compact=True)
     except OutOfMemory:
         return None
     return _finished(mg, started, segment_size)
@@ -178,11 +180,11 @@ def _no_cycle_collection():
 
 
 def _walk(graph: TaskGraph, order: list[int], plan: Plan, alignment: int, compact: bool,
-          segment_size: int | str | None, prefetch: bool = True) -> MemGraph:
+          segment_size: int | str | None, prefetch: bool = True, sched: Schedule | None = None) -> MemGraph:
     started = time.perf_counter()
     with _no_cycle_collection():
         try:
-            mg = _attempt(graph, order, plan, alignment, plan.gpu_budget, compact=compact, prefetch=prefetch)
+            mg = _attempt(graph, order, plan, alignment, plan.gpu_budget, sched, compact=compact, prefetch=prefetch)
         except OutOfMemory as exc:
             minimum, vertex = _minimum(graph, order, plan, alignment, compact)
             if minimum > plan.gpu_budget:
@@ -195,7 +197,7 @@ def _walk(graph: TaskGraph, order: list[int], plan: Plan, alignment: int, compac
             # that works fits this budget too, so use it.
             log.warning("GPU budget %d runs out of pinned CPU storage; building with %d instead",
                         plan.gpu_budget, minimum)
-            mg = _attempt(graph, order, plan, alignment, minimum, compact=compact)
+            mg = _attempt(graph, order, plan, alignment, minimum, sched, compact=compact)
             mg.stats["arena_budget_used"] = minimum
     return _finished(mg, started, segment_size)
 

@@ -34,7 +34,7 @@ from ..ir.sizes import arena_capacity
 from ..ir.taskgraph import TaskGraph, ValueKind
 from .alloc import START, RangeAllocator, Tenancy, wait_for
 from .implied_edges import reduce_memory_edges
-from .packing import pack, stays
+from .packing import live_peak, pack, stays
 from .schedule import OUT, TASK, WB, Schedule
 
 UNBOUNDED = 1 << 60  # pinned CPU storage limit when the plan sets none
@@ -123,11 +123,14 @@ class HorizonWalk:
         self.packed: dict[int, list[tuple[int, int]]] = {}
         if self.compact:
             started = time.perf_counter()
-            for prefetch, settle in PACKING_SLACK:
+            for k, (prefetch, settle) in enumerate(PACKING_SLACK):
                 every = stays(self.tg, self.sched, prefetch, settle)
+                on = [[stay for stay in every if sched.device[stay.values[0]] == d] for d in devices]
+                if k + 1 < len(PACKING_SLACK) and any(top[d] + live_peak(on[d]) > capacity for d in devices):
+                    continue  # cannot fit: stays that meet in time take more than the arena (the last is packed for its stats)
                 packed, ends = {}, []
                 for d in devices:
-                    on_d, high = pack([stay for stay in every if sched.device[stay.values[0]] == d])
+                    on_d, high = pack(on[d])
                     packed.update({v: [(s, top[d] + at) for s, at in spots] for v, spots in on_d.items()})
                     ends.append(top[d] + high)
                 self.stats["packed_arena_bytes"] = int(max(ends))

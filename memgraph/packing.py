@@ -81,6 +81,20 @@ def stays(tg: TaskGraph, sched: Schedule, prefetch: int = 0, settle: int = 0) ->
     return out
 
 
+def live_peak(items: list[Stay]) -> int:
+    """The most bytes of stays that meet in time, at any one step: a lower bound of pack's bytes
+    (stays that meet never share bytes), found without packing."""
+    if not items:
+        return 0
+    firsts = np.array([stay.first for stay in items], dtype=np.int64)
+    lasts = np.array([stay.last for stay in items], dtype=np.int64)
+    sizes = np.array([stay.size for stay in items], dtype=np.int64)
+    diff = np.zeros(int(max(lasts.max(), firsts.max())) + 2, dtype=np.int64)
+    np.add.at(diff, firsts, sizes)
+    np.add.at(diff, lasts + 1, -sizes)
+    return int(np.cumsum(diff).max())
+
+
 def pack(items: list[Stay]) -> tuple[dict[int, list[tuple[int, int]]], int]:
     """({value: [(first step of a stay, its offset), ...] in step order}, bytes needed): largest
     first, each into the smallest gap that fits among the already packed stays it overlaps in
@@ -94,13 +108,17 @@ def pack(items: list[Stay]) -> tuple[dict[int, list[tuple[int, int]]], int]:
     for k, i in enumerate(order):
         size = items[i].size
         live = np.flatnonzero((firsts[:k] <= lasts[k]) & (lasts[:k] >= firsts[k]))
-        best, best_gap, reach = None, None, 0
-        for j in live[np.argsort(offsets[live], kind="stable")]:
-            gap = offsets[j] - reach
-            if gap >= size and (best_gap is None or gap < best_gap):
-                best, best_gap = reach, gap
-            reach = max(reach, ends[j])
-        at = best if best is not None else reach
+        if len(live):
+            by_offset = live[np.argsort(offsets[live], kind="stable")]
+            starts = offsets[by_offset]
+            # reach before each stay (in offset order): the highest end below it, from 0
+            reach = np.maximum.accumulate(np.concatenate(([0], ends[by_offset])))
+            gaps = starts - reach[:-1]
+            fits = np.flatnonzero(gaps >= size)
+            # the smallest gap that fits, the lowest of equal ones; else above them all
+            at = int(reach[fits[np.argmin(gaps[fits])]]) if len(fits) else int(reach[-1])
+        else:
+            at = 0
         offsets[k], ends[k] = at, at + size
         top = max(top, at + size)
     placed: dict[int, list[tuple[int, int]]] = {}
