@@ -78,7 +78,81 @@ def out_variant(name: str) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | No
         candidate = getattr(packet, overload)
         outs = [("*" if str(a.type).startswith("List[") or str(a.type).endswith("[]") else "") + a.name
                 for a in candidate._schema.arguments if a.is_out]
-        if outs and [(a.name, str(a.type)) for a in candidate._schema.arguments if not a.is_out] == want:
-            if len(outs) == len(op._schema.returns):
-                return candidate, tuple(outs)
+        if outs and [(a.name, str(a.type)) for a in candidate._schema.arguments if not a.is_out] == want \
+                and len(outs) == len(op._schema.returns):
+            return candidate, tuple(outs)
     return None
+
+
+class KernelRefusal(RuntimeError):
+    """An op's inputs that eager's own kernel refuses, found while tracing (the message is eager's)."""
+
+
+def _grouped_mm_strides_ok(mat: torch.Tensor) -> None:
+    """ATen's check_valid_strides_and_return_transposed: the last two dimensions are row- or
+    column-major with the leading stride a multiple of 16 bytes."""
+    stride, size, alignment = mat.stride(), mat.shape, 16 // mat.element_size()
+    if stride[-2] == 1 and stride[-1] >= max(1, size[-2]):
+        lead = stride[-1]
+    elif stride[-1] == 1 and stride[-2] >= max(1, size[-1]):
+        lead = stride[-2]
+    else:
+        raise KernelRefusal(f"Invalid strides/sizes, got {list(stride)} for strides and {list(size)} for sizes")
+    if lead % alignment:
+        raise KernelRefusal("strides should be multiple of 16 bytes")
+
+
+def grouped_mm_layout(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+    """(size, stride, dtype) of the result of aten::_grouped_mm as its CPU kernel makes it, after its
+    checks (ATen's GroupedMMUtils.h: _grouped_mm_validate_inputs, _resolve_grouped_mm_out_dtype,
+    create_grouped_gemm_output_tensor, then mm_out per group, which needs one dtype). Torch's meta
+    kernel is the CUDA fast path's: it refuses every dtype but bfloat16 and, on a CPU-only build,
+    does not pad the strides as the kernel does; the CPU kernel takes float32, bfloat16 and float16
+    and reads the group offsets on the host, but its result's shape never depends on them."""
+    for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
+        if mat.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+            kind = str(mat.dtype).removeprefix("torch.").capitalize()
+            raise KernelRefusal(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got {kind}")
+    for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
+        if mat.dim() not in (2, 3):
+            raise KernelRefusal(f"{name} has to be 2 or 3d")
+    a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
+    if (not a_2d or not b_2d) and mat_a.shape[-1] != mat_b.shape[-2]:
+        raise KernelRefusal("contraction dimension of mat_a and mat_b must match")
+    _grouped_mm_strides_ok(mat_a)
+    _grouped_mm_strides_ok(mat_b)
+    if (offs is not None) != (a_2d or b_2d):
+        raise KernelRefusal("Have to provide offsets if there is a 2d matrix, or no offset if both matrices are 3d")
+    if offs is not None and offs.dim() != 1:
+        raise KernelRefusal("offs has to be 1D")
+    if offs is not None and offs.dtype != torch.int32:
+        raise KernelRefusal("Offsets have to be int32")
+    if bias is not None:
+        raise KernelRefusal("Bias not supported yet")
+    dtype = out_dtype if out_dtype is not None else mat_a.dtype
+    if dtype != mat_a.dtype:
+        raise KernelRefusal("Grouped gemm output dtype must match `mat_a` dtype")
+    if a_2d and b_2d:
+        size = [offs.shape[0], mat_a.shape[0], mat_b.shape[1]]
+    elif a_2d or b_2d:
+        groups, rows, cols = (mat_b.shape[0], mat_a.shape[0], mat_b.shape[-1]) if a_2d else \
+            (mat_a.shape[0], mat_a.shape[1], mat_b.shape[1])
+        if offs.shape[0] != groups:
+            raise KernelRefusal("matrix batch sizes have to match")
+        size = [rows, cols]
+    else:
+        if mat_a.shape[0] != mat_b.shape[0]:
+            raise KernelRefusal("batched dimension has to match")
+        size = [mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1]]
+    if mat_a.dtype != mat_b.dtype:  # what each group's mm_out says
+        raise KernelRefusal(f"expected m1 and m2 to have the same dtype, but got: {mat_a.dtype} != {mat_b.dtype}")
+    alignment = 16 // dtype.itemsize  # rows padded to 16 bytes (for TMA transfers on CUDA; the CPU kernel too)
+    padded = -(-size[-1] // alignment) * alignment
+    stride = [padded, 1] if len(size) == 2 else [size[1] * padded, padded, 1]
+    return size, stride, dtype
+
+
+# Ops whose fake (meta) kernel refuses inputs or gives a layout that the CPU kernel eager runs does
+# not: op -> the layout function the trace uses instead on CPU tensors (trace/tracer.py).
+CPU_LAYOUTS = {"aten::_grouped_mm": grouped_mm_layout}

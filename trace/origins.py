@@ -4,7 +4,9 @@ While loss_fn runs, ``Origins`` (a TorchFunctionMode) marks the graph nodes each
 the module running and the user's source line (the innermost frame outside torch, turnip and the
 standard library), and the autograd nodes it makes carry the same mark into the backward pass;
 a call mixing floating-point dtypes is first put to eager (``_eager_refusal``). ``data_dependent_refusal``
-turns torch's data-dependent errors into an UnsupportedOp at the same place. make_fx records none of
+turns torch's data-dependent errors into an UnsupportedOp at the same place (in a Hugging Face
+experts module, naming the experts implementations that compile), ``kernel_refusal`` the inputs an
+op's CPU kernel refuses (kernels/ops.py CPU_LAYOUTS). make_fx records none of
 this: its ``stack_trace`` keeps only frames of functions named "forward".
 """
 
@@ -291,26 +293,82 @@ _DATA_DEPENDENT_WHY = {  # by op, without its overload
 }
 
 
+def _failed_at(err: Exception, origins: Origins) -> tuple[str | None, SourceLine | None, str, bool]:
+    """Where an exception raised inside the trace came from: (module, source line, phase, whether the
+    line is the forward call a backward op differentiates). The line is the innermost frame of its
+    traceback outside torch, turnip and the standard library; the module the one running when it
+    left loss_fn, or in the backward pass the module of the forward call differentiated."""
+    source = source_line(user_place(raised_frames(err)))
+    if origins.failed_in is not None:  # raised while loss_fn ran
+        return origins.failed_in.module, source, "forward", False
+    last = origins.last_backward()
+    forward_source = source is None and last is not None
+    if forward_source:
+        source = source_line(last.place)
+    return (last.module if last is not None else None), source, "backward", forward_source
+
+
+def _experts_module(model: torch.nn.Module, path: str | None) -> torch.nn.Module | None:
+    """The Hugging Face experts module at `path` or above it (a class decorated by transformers'
+    use_experts_implementation: it reads config._experts_implementation at each call), else None."""
+    while path is not None:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            return None
+        config = getattr(module, "config", None)
+        if hasattr(module, "_is_expert_parallel") and getattr(config, "_experts_implementation", None):
+            return module
+        path = path.rpartition(".")[0] if path else None
+    return None
+
+
+_EXPERTS_SWITCH = ("from_pretrained(..., experts_implementation=...), a config's experts_implementation=..., or "
+                   "model.set_experts_implementation(...)")
+
+
+def experts_advice(model: torch.nn.Module, path: str | None, refused: str) -> str:
+    """For an op refused in a Hugging Face mixture-of-experts block: the experts implementation it
+    runs and the ones to load the model with instead ("" outside such a block). `refused` is why
+    ("data-dependent": the "eager" loop over the experts chosen; "kernel": an op eager refuses)."""
+    module = _experts_module(model, path)
+    if module is None:
+        return ""
+    impl = module.config._experts_implementation
+    names = " or ".join(f'"{name}"' + (" (transformers' default)" if name == "grouped_mm" else "")
+                        for name in ("grouped_mm", "batched_mm") if name != impl)
+    runs = f"{type(module).__name__} runs transformers' experts implementation \"{impl}\""
+    if refused == "data-dependent":
+        return (f"{runs}, whose loop visits only the experts the tokens chose, a number known only from the "
+                f"routing: load the model with experts_implementation={names}, whose shapes do not "
+                f"depend on the routing ({_EXPERTS_SWITCH})")
+    return f"{runs}; experts_implementation={names} computes the experts without this call ({_EXPERTS_SWITCH})"
+
+
 def data_dependent_refusal(err: Exception, origins: Origins) -> UnsupportedOp:
     """A data-dependent error raised by torch inside the trace, as a refusal naming the op, the module
     running and the line that called it (the innermost frame of its traceback outside torch, turnip
     and the standard library)."""
     func = getattr(err, "func", None)
     op = op_name(func) if isinstance(func, torch._ops.OpOverload) else "(a value computed from tensors)"
-    source = source_line(user_place(raised_frames(err)))
-    forward_source = False
-    if origins.failed_in is not None:  # raised while loss_fn ran
-        module, phase = origins.failed_in.module, "forward"
-    else:  # in the backward pass: the module of the forward call whose backward it is
-        last = origins.last_backward()
-        module, phase = (last.module if last is not None else None), "backward"
-        forward_source = source is None and last is not None
-        if forward_source:
-            source = source_line(last.place)
+    module, source, phase, forward_source = _failed_at(err, origins)
     why = _DATA_DEPENDENT_WHY.get(op.partition(".")[0], "has a result or an output shape that depends on tensor "
                                                          "values")
+    advice = experts_advice(origins.modules.model, module, "data-dependent") or (
+        "compute with ops whose shapes do not depend on values (torch.where, multiplying by a mask, clamp), or "
+        "check the data before the step, not inside it")
     return UnsupportedOp(op, module, f"it {why}, which a static step graph cannot express (it depends on tensor "
-                         f"values): compute with ops whose shapes do not depend on values (torch.where, "
-                         f"multiplying by a mask, clamp), or check the data before the step, not inside it",
+                         f"values): {advice}",
                          module_type=origins.modules.type_name(module), source=source, phase=phase,
-                         forward_source=phase == "backward" and forward_source)
+                         forward_source=forward_source)
+
+
+def kernel_refusal(err: Exception, origins: Origins) -> EagerRefusal:
+    """What eager's own kernel refuses (kernels/ops.py KernelRefusal, found by the layout the trace
+    uses for the op), as eager's error naming the op, the module and the line."""
+    module, source, phase, forward_source = _failed_at(err, origins)
+    advice = experts_advice(origins.modules.model, module, "kernel")
+    return EagerRefusal(getattr(err, "op", "(an op)"), module,
+                        f"eager PyTorch's kernel refuses these inputs too: {err}" + (f". {advice}" if advice else ""),
+                        module_type=origins.modules.type_name(module), source=source, phase=phase,
+                        forward_source=forward_source)

@@ -14,6 +14,8 @@ output sizes only the backend knows at run time (fused RNN kernels).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import numbers
@@ -23,6 +25,7 @@ import sys
 import torch
 import torch.fx.experimental.symbolic_shapes
 import torch.utils.checkpoint
+from torch._subclasses import fake_impls
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
@@ -37,7 +40,17 @@ from ..ir.taskgraph import (
     flatten_batch_structure,
     normalized_positions,
 )
-from ..kernels.ops import HIDDEN_MUTATIONS, RUNTIME_SIZED, flatten_returns, is_random, op_name, out_variant
+from ..kernels.ops import (
+    CPU_LAYOUTS,
+    HIDDEN_MUTATIONS,
+    RUNTIME_SIZED,
+    KernelRefusal,
+    flatten_returns,
+    is_random,
+    op_name,
+    out_variant,
+    resolve_op,
+)
 from .accumulate import accumulate, check_steps, loss_outputs, micro_prefix, split
 from .constant_checks import eager_answers
 from .data_parallel import averaged_gradients, check_devices, mean_loss, place_on_devices
@@ -48,6 +61,7 @@ from .origins import (
     Origin,
     Origins,
     data_dependent_refusal,
+    kernel_refusal,
     live_frames,
     node_count,
     source_line,
@@ -184,6 +198,43 @@ class _GradientGuard(TorchFunctionMode):
             raise UnsupportedFeature(f"loss_fn calls backward() (in {name}, from {place}): return the loss "
                                      f"and the compiled step runs the backward pass and the update itself")
         return func(*args, **(kwargs or {}))
+
+
+def _fake_by_layout(name, layout, previous, fake_mode, func, *args, **kwargs):
+    """The fake result of op `name` on CPU tensors as the CPU kernel makes it (kernels/ops.py
+    CPU_LAYOUTS); other devices keep torch's own fake kernel (NotImplemented: the meta kernel)."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(t.device.type != "cpu" for t in tensors):
+        return previous(fake_mode, func, *args, **kwargs) if previous is not None else NotImplemented
+    try:
+        size, stride, dtype = layout(*args, **kwargs)
+    except KernelRefusal as err:
+        err.op = name
+        raise
+    with fake_mode:
+        return torch.empty_strided(size, stride, dtype=dtype, device=tensors[0].device)
+
+
+@contextlib.contextmanager
+def _cpu_layouts():
+    """While tracing, the ops of CPU_LAYOUTS take their CPU kernel's checks and result layout on
+    CPU fake tensors instead of their meta kernel's (for aten::_grouped_mm, the meta kernel is the
+    CUDA fast path's and refuses float32, which the CPU kernel runs: Hugging Face's default experts
+    implementation of Mixtral or Qwen2-MoE calls it on float32 models)."""
+    table = fake_impls.op_implementations_dict
+    saved = {}
+    for name, layout in CPU_LAYOUTS.items():
+        op = resolve_op(name)
+        saved[op] = table.get(op)
+        table[op] = functools.partial(_fake_by_layout, name, layout, saved[op])
+    try:
+        yield
+    finally:
+        for op, previous in saved.items():
+            if previous is None:
+                table.pop(op, None)
+            else:
+                table[op] = previous
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -527,10 +578,14 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
         return [loss, *per_micro] + [g for g in grads if g is not None]
 
     try:
-        with eager_answers():  # library checks of batch-independent values answered as eager does
+        # library checks of batch-independent values, and the layouts of ops whose meta kernel is not
+        # the CPU kernel's, answered as eager answers them
+        with eager_answers(), _cpu_layouts():
             gm = make_fx(step, tracing_mode="fake")(fake_train, fake_frozen, fake_buffers, fake_leaves)
     except DATA_DEPENDENT as err:
         raise data_dependent_refusal(err, origins) from err
+    except KernelRefusal as err:
+        raise kernel_refusal(err, origins) from err
 
     tg = TaskGraph(device=device.type)
     tg.optimizer = spec
