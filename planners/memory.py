@@ -97,22 +97,37 @@ def structural_problems(problem: Problem, decisions: Decisions, at: list[int] | 
 def chosen_options(problem: Problem, decisions: Decisions, at: list[int]) -> tuple[list[int], list[str]]:
     """(per group the index of its option for its decision and need time, -1 where it has none; the
     reasons the decisions are outside the option space)."""
-    options, out = [], []
-    kinds, cpu = decisions.groups, decisions.cpu
-    for gi, g in enumerate(problem.groups):
-        kind = kinds[gi]
-        oi = g.index.get((kind, -1) if kind == KEEP else (kind, at[gi]))
-        if oi is None:
-            options.append(-1)
-            out.append(f"group {gi} (vertex {g.vertex}) cannot {kind} for position {at[gi]}")
+    lookup = _lookup(problem)
+    kinds, cpu, groups = decisions.groups, decisions.cpu, problem.groups
+    found = [lookup.keep[gi] if kind == KEEP else lookup.index[gi].get((kind, at[gi])) for gi, kind in enumerate(kinds)]
+    out = []
+    for gi in [gi for gi, oi in enumerate(found) if oi is None or (kinds[gi] == RECOMPUTE and lookup.reads[gi])]:
+        g = groups[gi]
+        if found[gi] is None:
+            out.append(f"group {gi} (vertex {g.vertex}) cannot {kinds[gi]} for position {at[gi]}")
             continue
-        options.append(oi)
-        if kind == RECOMPUTE:
-            for w in g.persistent:
-                ii = problem.item_of[w]
-                if cpu[ii] and not problem.items[ii].covers(w, at[gi]):
-                    out.append(f"group {gi} recomputes at {at[gi]} where CPU-homed value {w} is absent")
-    return options, out
+        for w in g.persistent:
+            ii = problem.item_of[w]
+            if cpu[ii] and not problem.items[ii].covers(w, at[gi]):
+                out.append(f"group {gi} recomputes at {at[gi]} where CPU-homed value {w} is absent")
+    return [-1 if oi is None else oi for oi in found], out
+
+
+class _Lookup:
+    """Per group: its option index, its keep option, whether a recomputation reads persistent values."""
+
+    def __init__(self, problem: Problem):
+        self.key = len(problem.groups)
+        self.index = [g.index for g in problem.groups]
+        self.keep = [g.index.get((KEEP, -1)) for g in problem.groups]
+        self.reads = [bool(g.persistent) for g in problem.groups]
+
+
+def _lookup(problem: Problem) -> _Lookup:
+    lookup = problem.__dict__.get("_option_lookup")
+    if lookup is None or lookup.key != len(problem.groups):
+        lookup = problem.__dict__["_option_lookup"] = _Lookup(problem)
+    return lookup
 
 
 class _Tables:

@@ -27,6 +27,23 @@ from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, Problem
 from turnip.gpt import GPTConfig
 
 
+def loop_structural_problems(problem: Problem, decisions: Decisions, at: list[int] | None = None) -> list[str]:
+    """Reasons the decisions are outside the option space (independent of budgets)."""
+    at = need_times(problem, decisions.groups) if at is None else at
+    out = []
+    for gi, g in enumerate(problem.groups):
+        kind = decisions.groups[gi]
+        if g.option(kind, at[gi]) is None:
+            out.append(f"group {gi} (vertex {g.vertex}) cannot {kind} for position {at[gi]}")
+            continue
+        if kind == RECOMPUTE:
+            for w in g.persistent:
+                ii = problem.item_of[w]
+                if decisions.cpu[ii] and not problem.items[ii].covers(w, at[gi]):
+                    out.append(f"group {gi} recomputes at {at[gi]} where CPU-homed value {w} is absent")
+    return out
+
+
 def loop_evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
     n = problem.n
     diff = np.zeros(n + 1, dtype=np.int64)
@@ -35,7 +52,7 @@ def loop_evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
     h2d = problem.base_h2d.copy()
     d2h = problem.base_d2h.copy()
     at = need_times(problem, decisions.groups)
-    reasons = structural_problems(problem, decisions, at)
+    reasons = loop_structural_problems(problem, decisions, at)
     cpu_bytes = 0.0
     moved = 0.0  # seconds of transfers, recomputation and launches, hidden or not
     options = []
@@ -120,6 +137,7 @@ def test_evaluate_is_the_loop_bit_for_bit_on_small_problems(name, problem):
     for _ in range(30):
         dec = random_decisions(rng, problem)
         same(evaluate(problem, dec), loop_evaluate(problem, dec))
+        assert structural_problems(problem, dec) == loop_structural_problems(problem, dec)
 
 
 def test_evaluate_is_the_loop_bit_for_bit_on_a_gpt_step():
@@ -130,3 +148,4 @@ def test_evaluate_is_the_loop_bit_for_bit_on_a_gpt_step():
     for _ in range(40):
         dec = random_decisions(rng, problem)
         same(evaluate(problem, dec), loop_evaluate(problem, dec))
+        assert structural_problems(problem, dec) == loop_structural_problems(problem, dec)
