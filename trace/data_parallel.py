@@ -212,12 +212,7 @@ def place_on_devices(tg: TaskGraph, count: int, micro_of: dict[int, int], reduce
                 tg.values[out].device = vertex.device
 
     # -- replicas, transfers, bindings back home --------------------------------------------------------
-    out = TaskGraph(**{f: getattr(tg, f) for f in ("values", "outputs", "bindings", "optimizer", "device",
-                                                    "batch_inputs", "batch_spec", "batch_constants",
-                                                    "accumulation_steps", "initial_state", "state_names",
-                                                    "runtime_reserve")})
-    out.devices = count
-    out.vertices = []
+    out = dataclasses.replace(tg, vertices=[], devices=count)  # the values (and their list) carry on
     replica: dict[tuple[int, int], int] = {}  # (persistent value, device) -> its replica there
     moved: dict[tuple[int, int], int] = {}  # (value, device) -> its transferred copy there
 
@@ -335,11 +330,7 @@ def _interleaved(tg: TaskGraph, micro_of: dict[int, int], count: int) -> TaskGra
                 heapq.heappush(ready, (rank[u], tg.vertices[u].device, u))
     if len(order) != len(tg.vertices):
         raise RuntimeError("the traced step has a cycle")  # a trace is a program: it cannot
-    out = TaskGraph(**{f: getattr(tg, f) for f in ("values", "outputs", "bindings", "optimizer", "device",
-                                                    "batch_inputs", "batch_spec", "batch_constants",
-                                                    "accumulation_steps", "initial_state", "state_names",
-                                                    "runtime_reserve", "devices")})
-    out.vertices = []
+    out = dataclasses.replace(tg, vertices=[])
     for vid in order:
         out.add_copy(tg.vertices[vid])
     return out
