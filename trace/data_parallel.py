@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import logging
 
 import torch
+from networkx.utils import UnionFind
 
 from ..ir.taskgraph import TaskGraph, TensorRef, ValueKind, Vertex, map_refs
+from .accumulate import loss_outputs
 from .errors import UnsupportedFeature
 
-log = logging.getLogger(__name__)
 
 def read_devices(device: torch.device, devices) -> int:
     """How many devices of `device`'s kind compile's ``devices=`` names, checked: N, or a list of
@@ -114,27 +114,8 @@ def averaged_gradients(per_device: list[tuple], marks: list, node_count) -> tupl
 
 def mean_loss(losses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the devices' losses summed in order and divided by their count; the losses stacked)."""
-    total = losses[0]
-    for loss in losses[1:]:
-        total = total + loss
-    return total / len(losses), torch.stack(losses)
-
-
-class _Units:
-    """Union-find over value ids: the values one optimizer update touches together."""
-
-    def __init__(self) -> None:
-        self.parent: dict[int, int] = {}
-
-    def find(self, x: int) -> int:
-        self.parent.setdefault(x, x)
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a: int, b: int) -> None:
-        self.parent[self.find(a)] = self.find(b)
+    total, stacked = loss_outputs(losses)
+    return total / len(losses), stacked
 
 
 def owners(tg: TaskGraph, params: list[int], count: int) -> dict[int, int]:
@@ -142,7 +123,7 @@ def owners(tg: TaskGraph, params: list[int], count: int) -> dict[int, int]:
     and each parameter: update units (values joined by optimizer vertices, through anything but
     0-dimensional values such as the shared step counter) in the order of their parameters, cut
     into `count` contiguous runs of about equal bytes."""
-    units = _Units()
+    units = UnionFind()  # value ids: the values one optimizer update touches together
     for vertex in tg.vertices:
         if vertex.phase != "optimizer":
             continue
@@ -151,17 +132,17 @@ def owners(tg: TaskGraph, params: list[int], count: int) -> dict[int, int]:
         for x in touched[1:]:
             units.union(touched[0], x)
     for old, new in tg.bindings.items():  # a state's update reaches its home through its binding
-        if len(tg.values[old].shape) > 0 and new in units.parent:
+        if len(tg.values[old].shape) > 0 and new in units.parents:
             units.union(old, new)
     members: dict[int, list[int]] = {}
     order: list[int] = []
     for p in params:
-        root = units.find(p)
+        root = units[p]
         if root not in members:
             members[root] = []
             order.append(root)
-    for x in list(units.parent):
-        root = units.find(x)
+    for x in list(units.parents):
+        root = units[x]
         if root in members and tg.values[x].kind.is_persistent:
             members[root].append(x)
     sizes = [sum(tg.values[x].nbytes for x in set(members[r])) for r in order]
