@@ -35,13 +35,6 @@ from .results import result_path
 log = logging.getLogger(__name__)
 
 
-def device_peaks(device_type: str, count: int) -> list[int | None]:
-    """Each device's peak reserved bytes since the last reset (None on the CPU)."""
-    if device_type != "cuda":
-        return [None] * count
-    return [int(torch.cuda.max_memory_reserved(d)) for d in range(count)]
-
-
 def device_memory(device_type: str, count: int) -> list[dict]:
     """Each device's memory after the steps: peaks allocated and reserved, and what is held now."""
     if device_type != "cuda":
@@ -88,11 +81,10 @@ def run_turnip(workload: Workload, device_type: str, devices: int, budget: float
     release_memory(device_type)
     reset_peaks(device_type, devices)
     timed_steps(result, lambda: engine.run(mg, batch)["loss"], steps, device_type, warmup=warmup)
-    peaks = device_peaks(device_type, devices)
-    result.extra["peak_reserved_per_device"] = peaks
     memory = device_memory(device_type, devices)
     result.extra["memory_per_device"] = memory
-    result.peak_reserved = max(peaks) if peaks[0] is not None else None
+    result.extra["peak_reserved_per_device"] = [m["peak_reserved"] for m in memory] or [None] * devices
+    result.peak_reserved = max((m["peak_reserved"] for m in memory), default=None)
     result.peak_allocated = max((m["peak_allocated"] for m in memory), default=None)
     result.bytes_h2d, result.bytes_d2h = transfer_bytes(mg)
     if timeline is not None:  # one more step, untimed, with the timeline of every unit on every device
@@ -176,7 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                "eager_peak": eager_peak, "info": workload.info, "rows": rows}, indent=1, default=str))
     log.info("wrote %s", out)
     if not args.no_plots:
-        from .plots import plot_pareto  # noqa: PLC0415 - matplotlib is optional
+        from .plots import plot_pareto  # matplotlib is optional
 
         png = plot_pareto(rows, out.with_suffix(".png"),
                           title=f"{workload.name} on {args.devices} devices: step time vs peak memory per device")

@@ -483,6 +483,9 @@ def build_cached(tg, hit: CachedPlan, alignment: int) -> MemGraph | None:
     return mg
 
 
+MULTI_DEVICE_AHEAD_ROOM = 1.1  # keep_everything's allocate-ahead arena on several devices, in unplanned peaks
+
+
 def keep_everything(tg, keep_all: MemGraph, gpu_budget: int, cpu_bytes: int | None, alignment: int,
                     costs=None, backend: str = "cpu") -> MemGraph:
     """The MemGraph when the budget holds the unplanned peak."""
@@ -502,9 +505,6 @@ def keep_everything(tg, keep_all: MemGraph, gpu_budget: int, cpu_bytes: int | No
     if tg.devices > 1 and costs is not None:
         return fastest_simulated([mg, keep_all], costs, backend)
     return mg
-
-
-MULTI_DEVICE_AHEAD_ROOM = 1.1
 
 
 def record_prediction(mg: MemGraph, costs, device: torch.device) -> None:

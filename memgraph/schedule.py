@@ -124,7 +124,6 @@ class Schedule:
                         self.release_at.setdefault(self.task_step[vid], []).append(v)
 
         # -- the most arena any single step needs at once on its device, beside the GPU homes ----------
-        self.devices = tg.devices
         self.device = [v.device for v in values]
         self.home_bytes_on = [0] * tg.devices  # bytes of the GPU homes on each device
         for v in range(len(values)):

@@ -25,11 +25,10 @@ from __future__ import annotations
 
 from ..ir.memgraph import Kind, MemGraph, Stream
 
-
 # A member may send a result to another device (a gradient to its owner) before its segment ends: the
 # copy then starts when the segment has run, at most this long (or this many vertices, where ops carry
 # no times) after the member. Closing a segment at every send would cut a device's backward at every
-# gradient, and the event loop's launches would bound the step (gpt350m on two H100s).
+# gradient, and the event loop's launches would bound the step (gpt350m on two H200s).
 SEND_DELAY_S = 1e-3
 SEND_DELAY_VERTICES = 32
 
