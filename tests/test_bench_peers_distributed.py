@@ -29,7 +29,7 @@ def run_with_weights(system: str, folder: Path) -> tuple[dict, dict]:
     row = run_distributed(system, MODEL, 2, steps=STEPS, warmup=WARMUP, tiny=True, device="cpu", limit_s=120,
                           save_weights=path)
     assert row["status"] == OK, (row.get("error"), row.get("log_tail"))
-    return row, torch.load(path)
+    return row, torch.load(path, weights_only=True)
 
 
 @pytest.fixture(scope="module")
