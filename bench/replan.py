@@ -20,6 +20,7 @@ prediction is the simulator's, not a measurement: a plan it favours is worth a G
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -33,7 +34,7 @@ from ..ir.budget import format_bytes, parse_budget
 from ..ir.plan import Plan
 from ..ir.step_file import load_step, save_step
 from ..memgraph.builder import build, build_walks
-from ..memgraph.compiler import UNBOUNDED, unplanned_peak
+from ..memgraph.compiler import UNBOUNDED, planning_budget, unplanned_peak
 from ..memgraph.remake_offloaded import recompute_evicted
 from ..planners.costs import CostModel, DeviceSpec, default_costs
 from ..planners.driver import plan_candidates
@@ -52,29 +53,32 @@ ALIGNMENT = 256  # compile's arena alignment on CUDA
 
 
 def export(workload: Workload, device: str, out: Path, eager: bool = True, loss_blocks: int | None = None,
-           analytic_cuda: bool = False) -> Path:
+           analytic_cuda: bool = False, devices: int = 1) -> Path:
     """Trace ``workload`` for ``device`` (its loss head in ``loss_blocks`` row blocks when given,
     trace/split_loss.py), measure its op costs there, write the step and its facts. analytic_cuda:
     no GPU at hand: trace on ``device`` (the CPU) and price the ops with the analytic H100-class
-    model as a CUDA step (a stand-in for planner experiments, not the GPU's measured costs)."""
+    model as a CUDA step (a stand-in for planner experiments, not the GPU's measured costs).
+    devices: N > 1 traces the step over N devices of ``device``'s kind (compile's ``devices=N``),
+    each on the workload's batch; the device-to-device bandwidth is measured when N GPUs exist."""
     started = time.perf_counter()
     model = workload.model
     trainable = [p for p in model.parameters() if p.requires_grad]
     tg = trace(model, workload.loss_fn, workload.batch_on(device), optimizer=workload.optimizer(trainable),
-               device=device, loss_blocks=loss_blocks)
+               device=device, loss_blocks=loss_blocks, devices=devices)
     if analytic_cuda:
         tg.device = "cuda"  # priced and planned as a CUDA step: launches cost host time, links are PCIe
         costs = CostModel(device="cuda", measure=False)
     else:
         costs = default_costs(tg)
     costs.annotate(tg)
-    stem = f"step_{workload.name}" + (f"_split{loss_blocks}" if loss_blocks else "")
+    stem = f"step_{workload.name}" + (f"_split{loss_blocks}" if loss_blocks else "") + \
+        (f"_x{devices}" if devices > 1 else "")
     save_step(tg, out / f"{stem}.step")
     priced = "analytic H100-class" if analytic_cuda else "measured" if costs.measure else "analytic"
     facts = {**run_metadata(), "model": workload.name, "loss_blocks": loss_blocks or 1, "costs": priced,
              "device": tg.device if analytic_cuda else device, "device_name": device_name(device),
              "h2d_bandwidth": costs.h2d_bandwidth, "d2h_bandwidth": costs.d2h_bandwidth,
-             "duplex_bandwidth": costs.duplex_bandwidth,
+             "duplex_bandwidth": costs.duplex_bandwidth, "d2d_bandwidth": costs.d2d_bandwidth, "devices": devices,
              "host_per_vertex": costs.host_per_vertex_on(tg.device), "vertices": len(tg.vertices),
              "export_seconds": None}
     if eager:  # the suite's budgets are fractions of eager's measured peak: keep it beside the step
@@ -92,17 +96,20 @@ def offline_costs(facts: dict) -> CostModel:
     """A cost model that measures nothing: the op times are in the step, the link and host rates
     are the exporting machine's."""
     spec = DeviceSpec(name=facts.get("device_name", "exported"), h2d=facts["h2d_bandwidth"],
-                      duplex=facts.get("duplex_bandwidth"),
+                      duplex=facts.get("duplex_bandwidth"), d2d=facts.get("d2d_bandwidth", DeviceSpec.d2d),
                       d2h=facts["d2h_bandwidth"], host_per_vertex=facts["host_per_vertex"])
     return CostModel(device="cuda", spec=spec, measure=False)
 
 
-def replan(step: Path, budgets: list[str], options: dict, host_update: str = "off") -> list[dict]:
-    """One row per candidate MemGraph per budget (see the module docstring)."""
+def replan(step: Path, budgets: list[str], options: dict, host_update: str = "off",
+           eager_peak: int | None = None) -> list[dict]:
+    """One row per candidate MemGraph per budget (see the module docstring). eager_peak: the bytes
+    fractional budgets are of (default: eager's peak allocated, as exported)."""
     tg = load_step(step)
     facts = json.loads(step.with_suffix(".json").read_text())
-    if facts.get("eager_peak_allocated") is None and facts.get("loss_blocks", 1) > 1:
-        sibling = step.with_name(f"step_{facts['model']}.json")  # a split export: eager's facts are the unsplit's
+    if facts.get("eager_peak_allocated") is None and (facts.get("loss_blocks", 1) > 1 or facts.get("devices", 1) > 1):
+        # a split or multi-device export: eager's facts (one GPU's) are the plain export's
+        sibling = step.with_name(f"step_{facts['model']}.json")
         if sibling.exists():
             unsplit = json.loads(sibling.read_text())
             facts.update({k: unsplit.get(k) for k in ("eager_peak_allocated", "eager_step_s")})
@@ -110,13 +117,17 @@ def replan(step: Path, budgets: list[str], options: dict, host_update: str = "of
     costs.annotate(tg)  # only vertices without a time (none in an exported step) are estimated
     keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=ALIGNMENT, compact=True)
     peak = unplanned_peak(keep_all)
-    eager_peak = facts.get("eager_peak_allocated")
+    eager_peak = eager_peak or facts.get("eager_peak_allocated")
     rows = []
     for text in budgets:
         budget = _budget(text, eager_peak, peak)
         started = time.perf_counter()
-        plans = host_update_candidates(tg, plan_candidates(tg, budget, None, costs=costs, alignment=ALIGNMENT,
-                                                           **options), host_update)
+        if budget >= peak:  # nothing to plan: what compile's keep_everything chooses between
+            plans = [Plan(gpu_budget=budget, planner="none")]
+        else:  # on several devices planned as one (compile's plan_step), each device then held to budget
+            plans = host_update_candidates(tg, plan_candidates(tg, planning_budget(tg, budget), None, costs=costs,
+                                                               alignment=ALIGNMENT, **options), host_update)
+            plans = [dataclasses.replace(plan, gpu_budget=budget) for plan in plans]
         plan_s = time.perf_counter() - started
         for k, plan in enumerate(plans):
             built = list(zip(("ahead", "compact"), build_walks(tg, plan, alignment=ALIGNMENT), strict=False))
@@ -174,6 +185,8 @@ def main(argv=None) -> int:
                     "fractions of the unplanned peak)")
     ex.add_argument("--analytic-cuda", action="store_true", help="no GPU: trace on --device and price the step with "
                     "the analytic H100-class model as a CUDA step (planner experiments only)")
+    ex.add_argument("--devices", default="1", help="comma-separated device counts: each exported as a step over that "
+                    "many devices (compile's devices=N), e.g. 1,2,4")
     ex.add_argument("--split", default="", help="comma-separated row-block counts: also export the step with its "
                     "loss head split (trace/split_loss.py), e.g. 4,8")
     pl = sub.add_parser("plan", help="plan and simulate an exported step at some budgets")
@@ -182,6 +195,8 @@ def main(argv=None) -> int:
     pl.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE",
                     help="a planner option (value read as JSON), e.g. time_limit=10; repeatable")
     pl.add_argument("--out", default=None, help="folder for replan_<model>.json (default: the step's)")
+    pl.add_argument("--eager-peak", type=int, default=None, help="bytes fractional budgets are of (default: "
+                    "eager's peak allocated, measured at export)")
     pl.add_argument("--host-update", default="off", choices=("auto", "off", "all"),
                     help="optimizer updates on the host's cores, as memgraph.compile's host_update")
     args = parser.parse_args(argv)
@@ -193,13 +208,15 @@ def main(argv=None) -> int:
         for name in [m for m in args.models.split(",") if m]:
             workload = make_workload(name)
             eager = not (args.no_eager or args.analytic_cuda)  # a CPU eager step measures no GPU peak
-            export(workload, args.device, out, eager=eager, analytic_cuda=args.analytic_cuda)
+            for k, count in enumerate(int(x) for x in args.devices.split(",") if x):
+                export(workload, args.device, out, eager=eager and k == 0, analytic_cuda=args.analytic_cuda,
+                       devices=count)
             for k in [int(x) for x in args.split.split(",") if x]:
                 export(workload, args.device, out, eager=False, loss_blocks=k, analytic_cuda=args.analytic_cuda)
         return 0
     options = planner_options(args.planner_option)
     step = Path(args.step)
-    rows = replan(step, [b for b in args.budgets.split(",") if b], options, args.host_update)
+    rows = replan(step, [b for b in args.budgets.split(",") if b], options, args.host_update, args.eager_peak)
     out = Path(args.out) if args.out else step.parent
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"replan_{rows[0]['model'] if rows else step.stem}.json"

@@ -395,7 +395,7 @@ def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: 
     def describe(detail: str) -> None:
         progress.describe("planning", detail)
 
-    plan_budget = gpu_budget * tg.devices - tg.devices * home_imbalance(tg)
+    plan_budget = planning_budget(tg, gpu_budget)
     if planner == "auto" and device.type == "cuda":
         plans = plan_candidates(tg, plan_budget, cpu_bytes, costs=costs, alignment=alignment, describe=describe,
                                 **options)
@@ -405,6 +405,12 @@ def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: 
                          **options)
         plans = host_update_candidates(tg, [plan], "all" if host_update == "all" else "off")
     return [dataclasses.replace(plan, gpu_budget=gpu_budget) if tg.devices > 1 else plan for plan in plans]
+
+
+def planning_budget(tg, gpu_budget: int) -> int:
+    """The budget the planners plan a step for: ``gpu_budget`` on one device; on N devices, planned as
+    one (plan_step), N times it less each device's share of the fullest device's excess."""
+    return gpu_budget * tg.devices - tg.devices * home_imbalance(tg)
 
 
 def home_imbalance(tg) -> int:
