@@ -60,6 +60,7 @@ from .completions import (
     launch_host_func,
 )
 from .cuda_graphs import SegmentGraphs
+from .lane_pools import LanePools
 from .errors import EngineError
 from .host_lane import HostDone, HostStream
 from .host_memory import describe_host, host_memory
@@ -97,7 +98,8 @@ class CudaRuntime(Runtime):
         self._shared_keys: list[bool] = []  # per stream key, set per step: several instances this step
         self.outputs: dict[str, torch.Tensor] = {}
         self.host_out: dict[int, torch.Tensor] = {}
-        self.segment_graphs = SegmentGraphs(mg, self.graph.units)
+        self.lane_pools = LanePools(mg.taskgraph.largest_workspace())
+        self.segment_graphs = SegmentGraphs(mg, self.graph.units, self.lane_pools)
         self.shared_workspace = True  # set per step: False when a device has several compute streams
         self._ctx = None
         self._leaves = None
@@ -288,6 +290,8 @@ class CudaRuntime(Runtime):
                       else torch.cuda.Stream(device=torch.device("cuda", dev)))
             lane = Lane(stream, compute, self._depth(compute))
             self.lanes[(item.key, item.instance)] = lane
+            if compute:
+                self.lane_pools.add((item.key, item.instance), stream, prewarm=self.shared_workspace)
         return lane
 
     def launch(self, item: Launch, notify) -> None:
@@ -321,6 +325,9 @@ class CudaRuntime(Runtime):
         if len(self.graph.units[unit]) > 1:
             self.segment_graphs.run(unit, (item.key, item.instance), self._ctx.scalars,
                                     lambda: self.execute_unit(self.mg, unit))
+        elif lane.compute:
+            with self.lane_pools.allocating_from((item.key, item.instance)):
+                self.execute(self.mg, head)
         else:
             self.execute(self.mg, head)
         if timers is not None:

@@ -11,9 +11,10 @@ times: a scheduler that steps every step) runs as ordinary launches from then on
 costs more host time than the launches it saves once. The fused optimizer kernels read their
 learning rate as a host double; their tensor-lr form reads a float32, which would round eager's
 learning rate, so the scalars cannot move to device memory without changing the numbers.
-Temporaries that ops allocate inside a capture come from one private memory pool per stream instance, shared by the segments captured on it, which is safe
-because the work of one stream never runs at the same time; a segment launched on another instance
-of its stream class is captured again there, with that instance's pool.
+Temporaries that ops allocate come from one memory pool per stream instance (engine/lane_pools.py),
+shared by the segments captured on it and the kernels launched plainly there, which is safe because
+the work of one stream never runs at the same time; a segment launched on another instance of its
+stream class is captured again there, with that instance's pool.
 
 A segment that cannot be captured (an op that synchronizes with the host, say) is logged once and
 runs as ordinary launches from then on.
@@ -29,6 +30,7 @@ import torch
 from ..ir.memgraph import MemGraph
 from ..kernels.capture import captured
 from ..kernels.launch import scalar_names
+from .lane_pools import LanePools
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,8 @@ RECAPTURES_BEFORE_PLAIN = 2
 class SegmentGraphs:
     """The captured graph of each multi-vertex unit of the loop, with what it baked in."""
 
-    def __init__(self, mg: MemGraph, units: list[tuple[int, ...]]):
+    def __init__(self, mg: MemGraph, units: list[tuple[int, ...]], pools: LanePools):
+        self.lane_pools = pools
         tasks = mg.taskgraph.vertices
         self.scalars: dict[int, tuple[str, ...]] = {}
         for u, unit in enumerate(units):
@@ -54,38 +57,38 @@ class SegmentGraphs:
         self.uncapturable: set[int] = set()
         self.volatile: set[int] = set()  # units whose scalars change step after step: plain launches
         self.recaptures: dict[int, int] = {}  # unit -> captures made again for changed scalars
-        self.pools: dict[tuple, tuple] = {}  # lane -> private memory pool of the segments captured on it
         self.captures = 0  # how many captures were made (tests, logs)
 
     def run(self, unit: int, lane: tuple, step_scalars: Mapping[str, float], launch: Callable[[], None]) -> None:
         """Run unit ``unit`` on the current stream, lane ``lane`` ((stream key, instance)): replay
         its graph, or ``launch()`` its vertices (first run, or uncapturable), or capture ``launch()``
-        and replay it."""
+        and replay it. The lane's pool (self.lane_pools) exists: its temporaries come from there."""
         baked = tuple(step_scalars[name] for name in self.scalars[unit])
         key = (unit, lane)
         stored = self.graphs.get(key)
         if stored is not None and stored[1] == baked:
             stored[0].replay()
             return
+        pools = self.lane_pools
         if stored is not None and self._changes_again(unit):
-            launch()
+            with pools.allocating_from(lane):
+                launch()
             return
         runs = self.runs.get(key, 0)
         self.runs[key] = runs + 1
         if runs == 0 or unit in self.uncapturable or unit in self.volatile:
-            launch()
+            with pools.allocating_from(lane):
+                launch()
             return
-        pool = self.pools.get(lane)
-        if pool is None:
-            pool = self.pools[lane] = torch.cuda.graph_pool_handle()
         try:
-            graph = captured(launch, pool)
+            graph = captured(launch, pools.handle(lane))
         except Exception as exc:  # noqa: BLE001 - a capture that fails launched nothing: run it plainly
             self.uncapturable.add(unit)
             self.graphs.pop(key, None)
             log.warning("segment %d cannot be captured as a CUDA graph (%s: %s); it runs as ordinary "
                         "launches", unit, type(exc).__name__, exc)
-            launch()
+            with pools.allocating_from(lane):
+                launch()
             return
         self.graphs[key] = (graph, baked)
         self.captures += 1
@@ -106,4 +109,4 @@ class SegmentGraphs:
 
     def clear(self) -> None:
         self.graphs.clear()
-        self.pools.clear()
+        self.lane_pools.clear()

@@ -331,10 +331,14 @@ class TaskGraph:
         """Every vertex carries a time (a cost model annotated the graph, or its maker set them)."""
         return all(v.time > 0 for v in self.vertices)
 
+    def largest_workspace(self) -> int:
+        """The largest op workspace (temporaries one op allocates beside its outputs)."""
+        return max((v.workspace for v in self.vertices), default=0)
+
     def step_workspace(self) -> int:
         """GPU bytes a step needs beside its arena at worst: the largest op workspace plus the
         runtime's reserve. Budgets are checked against arena + this."""
-        return max((v.workspace for v in self.vertices), default=0) + self.runtime_reserve
+        return self.largest_workspace() + self.runtime_reserve
 
     def copy(self) -> TaskGraph:
         return dataclasses.replace(

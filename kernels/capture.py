@@ -10,7 +10,7 @@ import torch
 
 def captured(launch: Callable[[], None], pool: tuple | None = None) -> torch.cuda.CUDAGraph:
     """``launch()`` captured on the current stream (which must not be the legacy default stream),
-    its temporaries from ``pool`` (a torch.cuda.graph_pool_handle; None: a private pool).
+    its temporaries from ``pool`` (a torch.cuda.graph_pool_handle or a MemPool's id; None: a private pool).
     Thread-local capture, so another thread's CUDA calls do not break it. Nothing runs: replay
     the graph for that. Raises whatever the capture raises; the stream is left capturing nothing."""
     graph = torch.cuda.CUDAGraph()

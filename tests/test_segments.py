@@ -5,6 +5,7 @@ vertices in order as one launch (a CUDA graph on CUDA), and every order the unit
 still gives eager's numbers bit for bit on the CPU backend.
 """
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -170,11 +171,12 @@ def test_a_segment_whose_scalars_keep_changing_stops_being_captured(monkeypatch)
         return FakeGraph(made[-1])
 
     monkeypatch.setattr(cuda_graphs, "captured", fake_capture)
-    monkeypatch.setattr(cuda_graphs.torch.cuda, "graph_pool_handle", lambda: object())
     tasks = [SimpleNamespace(args=(ScalarRef("g0.lr"),), kwargs={})] + [SimpleNamespace(args=(), kwargs={})] * 3
     mg = SimpleNamespace(taskgraph=SimpleNamespace(vertices=tasks),
                          vertices=[SimpleNamespace(task_vertex=k) for k in range(4)])
-    graphs = cuda_graphs.SegmentGraphs(mg, [(0, 1), (2, 3)])  # unit 0 reads lr, unit 1 reads nothing
+    pools = SimpleNamespace(handle=lambda lane: object(), allocating_from=lambda lane: contextlib.nullcontext(),
+                            clear=lambda: None)
+    graphs = cuda_graphs.SegmentGraphs(mg, [(0, 1), (2, 3)], pools)  # unit 0 reads lr, unit 1 reads nothing
     launches = []
 
     def step(lr):
