@@ -35,7 +35,8 @@ class LanePools:
         """Make the pool of ``lane``, whose kernels run on ``stream``. prewarm: give it one block of
         the largest op workspace (where the lane is its device's only compute lane: with several,
         each would hold one)."""
-        pool = torch.cuda.MemPool()
+        with torch.cuda.device(stream.device):  # a MemPool exists on the device current when it is made
+            pool = torch.cuda.MemPool()
         self.pools[lane] = (pool, stream.device)
         if prewarm and self.largest_workspace > 0:
             with torch.cuda.use_mem_pool(pool, stream.device), torch.cuda.stream(stream):
