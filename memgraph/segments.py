@@ -5,9 +5,11 @@ less. Everything a MemGraph does is static (fixed arena places), so a run of com
 can be captured once and replayed as one CUDA graph. Which runs: a segment is a maximal run of
 consecutive compute vertices of mg.serial on one stream and device (other kinds, and other devices'
 vertices, skipped over), such that only its first vertex has a predecessor that is not compute (a
-reload, an input, a transfer from another device) and only its last has a successor that is not
-compute (an offload, an output, a reload into bytes it freed), but for transfers to another device,
-which any member may feed (the copy waits for the segment, held to SEND_DELAY_S).
+reload, an input) and only its last has a successor that is not compute (an offload, an output, a
+reload into bytes it freed), but for transfers between devices: any member may feed a transfer to
+another device (the copy waits for the segment, held to SEND_DELAY_S), and any member may read a
+transfer from another device that comes before the segment's first vertex in mg.serial (a bucket of
+gradients the owner's sums read one after another, trace/data_parallel.py).
 
 Why that is safe: contracting such a run into one vertex keeps the graph acyclic. A path leaving
 the run and coming back into it enters it by an edge from an outsider. That outsider is no compute
@@ -15,7 +17,8 @@ vertex of the run's device (every one between two members in the serial order is
 edges point forward in it), nor of another device (no edge joins two devices' kernels: they share
 no bytes, their data moves by transfer vertices), so it is a transfer or another non-compute vertex,
 whose successor in the run can only be the run's first member, which precedes every vertex of the
-path. And it costs the runtime little choice: offloads still start the moment their compute is done, compute
+path, or a transfer from another device placed before the first member, which no path from a
+member reaches (edges point forward in the serial order). And it costs the runtime little choice: offloads still start the moment their compute is done, compute
 that waits for a reload is never held back by one it does not need.
 
 Random vertices stay alone (their generator state is set per launch, which a capture would freeze).
@@ -44,11 +47,15 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
     vertices, tasks = mg.vertices, mg.taskgraph.vertices
     # the host's updates (Stream.HOST) are not kernels: outside every segment, like transfers
     compute = [mv.kind is Kind.COMPUTE and mv.stream is Stream.COMPUTE for mv in vertices]
-    enters_from_outside = [False] * len(vertices)  # a predecessor that is not compute
+    position = {vid: k for k, vid in enumerate(mg.serial)}
+    enters_from_outside = [False] * len(vertices)  # a predecessor that is not compute, nor a transfer from another device
+    received_at = [-1] * len(vertices)  # the latest serial position of a predecessor copying from another device
     leaves_to_outside = [False] * len(vertices)  # a successor that is not compute, but a transfer to another device
     sends = [False] * len(vertices)  # a successor that copies to another device
     for src, dst, _ in mg.edges:
-        if not compute[src]:
+        if vertices[src].stream is Stream.D2D:
+            received_at[dst] = max(received_at[dst], position[src])
+        elif not compute[src]:
             enters_from_outside[dst] = True
         if vertices[dst].stream is Stream.D2D:
             sends[src] = True
@@ -77,7 +84,8 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
         key = lane(vid)
         run = runs.setdefault(key, [])
         alone = tasks[vertices[vid].task_vertex].random
-        if run and (alone or enters_from_outside[vid] or (max_size is not None and len(run) >= max_size)):
+        if run and (alone or enters_from_outside[vid] or received_at[vid] > position[run[0]]
+                    or (max_size is not None and len(run) >= max_size)):
             close(key)
         if alone:
             continue
@@ -89,7 +97,6 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
             close(key)
     for key in runs:
         close(key)
-    position = {vid: k for k, vid in enumerate(mg.serial)}
     segments.sort(key=lambda seg: position[seg[0]])  # in the serial order of their first vertices
     return segments
 
