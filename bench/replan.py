@@ -31,6 +31,7 @@ import torch
 
 from ..engine.timing_sim import idle_by_wait, simulate, transfer_bytes
 from ..ir.budget import format_bytes, parse_budget
+from ..ir.errors import InfeasibleBudget
 from ..ir.plan import Plan
 from ..ir.step_file import load_step, save_step
 from ..memgraph.builder import build, build_walks
@@ -130,7 +131,11 @@ def replan(step: Path, budgets: list[str], options: dict, host_update: str = "of
             plans = [dataclasses.replace(plan, gpu_budget=budget) for plan in plans]
         plan_s = time.perf_counter() - started
         for k, plan in enumerate(plans):
-            built = list(zip(("ahead", "compact"), build_walks(tg, plan, alignment=ALIGNMENT), strict=False))
+            try:
+                built = list(zip(("ahead", "compact"), build_walks(tg, plan, alignment=ALIGNMENT), strict=False))
+            except InfeasibleBudget as exc:  # as compile: on several devices the other candidates stand
+                log.warning("%s#%d does not build: %s", plan.planner, k, exc)
+                continue
             amended = recompute_evicted(tg, plan, built[0][1], costs)  # as compile tries on its pick
             if amended is not None:
                 built.append(("ahead+recomputed evictions", build_walks(tg, amended, alignment=ALIGNMENT)[0]))
@@ -147,8 +152,9 @@ def replan(step: Path, budgets: list[str], options: dict, host_update: str = "of
                              "recomputed": sum(1 for v in mg.taskgraph.vertices if v.recompute_of >= 0),
                              "arena_bytes": mg.arena_bytes, "cpu_bytes": mg.cpu_bytes,
                              "vertices": summary["vertices"], "plan_seconds": plan_s, "options": options})
-        best = min((r for r in rows if r["budget"] == text), key=lambda r: r["simulated_s"])
-        best["picked"] = True  # what compile would take
+        best = min((r for r in rows if r["budget"] == text), key=lambda r: r["simulated_s"], default=None)
+        if best is not None:
+            best["picked"] = True  # what compile would take
     return rows
 
 

@@ -429,15 +429,22 @@ def build_candidates(tg, candidates: list[Plan], alignment: int, costs, backend:
     """The MemGraph of the plans, and which walk of the builder made it ("ahead", "compact"; None
     where build chose by itself). On CUDA both walks of each plan are built (memgraph/builder.py) and
     the simulator picks."""
-    if backend != "cuda":
-        mgs = [build(tg, plan, alignment=alignment) for plan in candidates]
-        walks = [None] * len(mgs)
-    else:
-        mgs, walks = [], []
-        for plan in candidates:
-            built = build_walks(tg, plan, alignment=alignment)
-            mgs += built
-            walks += ["ahead", "compact"][:len(built)]
+    mgs, walks = [], []
+    refusal = None
+    for plan in candidates:
+        # on several devices a plan made for all of them as one may leave one device short: the others stand
+        try:
+            built = build_walks(tg, plan, alignment=alignment) if backend == "cuda" else [build(tg, plan, alignment=alignment)]
+        except InfeasibleBudget as exc:
+            if tg.devices == 1 or len(candidates) == 1:
+                raise
+            log.info("the %s plan does not build on every device (%s); the other candidates stand", plan.planner, exc)
+            refusal = refusal or exc
+            continue
+        mgs += built
+        walks += ["ahead", "compact"][:len(built)] if backend == "cuda" else [None]
+    if not mgs:
+        raise refusal
     best = mgs[0] if len(mgs) == 1 else fastest_simulated(mgs, costs, backend)
     walk = walks[next(k for k, mg in enumerate(mgs) if mg is best)]
     return amended_if_faster(tg, best, walk, alignment, costs, backend), walk

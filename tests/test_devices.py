@@ -238,3 +238,33 @@ def test_dropout_and_batchnorm_statistics_follow_eagers_device_order(name, devic
     got = mg.state_dict()
     for key, tensor in want.items():  # running_mean / running_var / num_batches_tracked included
         assert torch.equal(got[key], tensor), key
+
+
+def _transfers(tg) -> list:
+    return [v for v in tg.vertices if tg.transfer_source(v) is not None]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 1 << 40])
+def test_gradients_and_weights_move_in_buckets_and_stay_bitwise(gpt_case, monkeypatch, bucket_bytes):
+    """One transfer per bucket of gradients (device to owner) and per bucket of updated weights (owner
+    to device), the sums reading their views of it: bitwise whether each gradient has a bucket of its
+    own (1 byte) or the model's share caps them (BUCKETS_PER_OWNER)."""
+    from turnip.trace import data_parallel
+
+    monkeypatch.setattr(data_parallel, "BUCKET_BYTES", bucket_bytes)
+    mg = compiled(gpt_case, 2)
+    tg = mg.taskgraph
+    params = [v for v in tg.values if v.kind.value == "parameter"]
+    moved = [tg.values[tg.transfer_source(v)] for v in _transfers(tg)]
+    buckets = [val for val in moved if val.name in ("bucket", "weights")]
+    sent = sum(1 for vertex in tg.vertices if vertex.op == "aten::cat" and tg.values[vertex.outputs[0]].name == "bucket")
+    if bucket_bytes == 1:  # on two devices each gradient is sent once (to its owner), each weight refreshed once
+        assert sent == len(params) and len(buckets) == 2 * len(params)
+    else:  # capped at the model's share: each bucket within the cap, or a larger value alone
+        cap = sum(p.nbytes for p in params) // (2 * data_parallel.BUCKETS_PER_OWNER)
+        joined = [vertex for vertex in tg.vertices if vertex.op == "aten::cat" and
+                  tg.values[vertex.outputs[0]].name in ("bucket", "weights")]
+        assert all(tg.values[v.outputs[0]].nbytes <= cap or len(v.args[0]) == 1 for v in joined)
+        assert len(buckets) < len(params)  # against 2 * len(params) transfers without buckets
+    assert len(buckets) >= 2  # gradients one way, weights the other
+    assert_matches_eager(mg, gpt_case, 2, ordering="random", seed=3)

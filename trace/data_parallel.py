@@ -129,8 +129,8 @@ def mean_loss(losses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 # buckets mean fewer launches; smaller ones let a sum (or a replica's refresh) start sooner, and hold
 # less memory in flight (a bucket and what it joins are held at once while it is made). A small
 # model's buckets are smaller still: each owner's share in at least BUCKETS_PER_OWNER of them.
-BUCKET_BYTES = 64 << 20
-BUCKETS_PER_OWNER = 16
+BUCKET_BYTES = 256 << 20
+BUCKETS_PER_OWNER = 4
 
 
 def owners(tg: TaskGraph, params: list[int], count: int) -> dict[int, int]:
