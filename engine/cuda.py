@@ -65,7 +65,7 @@ from .errors import EngineError
 from .host_lane import HostDone, HostStream
 from .host_memory import describe_host, host_memory
 from .loop import POLL_S, Launch, NotRun, StepToken
-from .resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD
+from .resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD, transfer_depth_of
 from .runtime import InputBinding, OutputBinding, Runtime, arena_devices
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,8 @@ class CudaRuntime(Runtime):
         self._ctx = StepContext(mg.taskgraph, step, device, self.rng)
         self._leaves = leaves
         self.outputs = {}
-        for lane in self.lanes.values():
-            lane.reset(self._depth(lane.compute))
+        for (key, _), lane in self.lanes.items():
+            lane.reset(self._depth(self.graph.keys[key][0]))
         self.completions = self._source(self.completion)
         self.completions.begin_step(self.shared_workspace)
         self._record_every = self.completion == "events"
@@ -274,21 +274,19 @@ class CudaRuntime(Runtime):
             self._sources[mode] = source
         return source
 
-    def _depth(self, compute: bool) -> int:
-        """Vertices a lane reports at launch: compute launch-ahead, or this step's transfer_ahead."""
-        return self.depth if compute else self.transfer_depth
+    def _depth(self, stream_class: Stream) -> int:
+        """Vertices a lane reports at launch: compute launch-ahead, this step's transfer_ahead for
+        the host link's copies, none for copies between devices (resources.transfer_depth)."""
+        return transfer_depth_of(stream_class, self.depth, self.transfer_depth)
 
     def lane(self, item: Launch) -> Lane:
         lane = self.lanes.get((item.key, item.instance))
         if lane is None:
             stream_class, dev = self.graph.keys[item.key]
-            # copies between GPUs are reported ahead like other copies (transfer_ahead), not like kernels:
-            # with 16 reported ahead, gpt1.3b on two H200s at 25% of eager's peak failed on a device-side
-            # assert in its third step (corrupted token ids), with 4 it ran; the race is not found yet
             compute = stream_class is Stream.COMPUTE
             stream = (HostStream(f"turnip-host-{item.instance}", host_threads()) if stream_class is Stream.HOST
                       else torch.cuda.Stream(device=torch.device("cuda", dev)))
-            lane = Lane(stream, compute, self._depth(compute))
+            lane = Lane(stream, compute, self._depth(stream_class))
             self.lanes[(item.key, item.instance)] = lane
             if compute:
                 self.lane_pools.add((item.key, item.instance), stream, prewarm=self.shared_workspace)
