@@ -268,3 +268,33 @@ def test_gradients_and_weights_move_in_buckets_and_stay_bitwise(gpt_case, monkey
         assert len(buckets) < len(params)  # against 2 * len(params) transfers without buckets
     assert len(buckets) >= 2  # gradients one way, weights the other
     assert_matches_eager(mg, gpt_case, 2, ordering="random", seed=3)
+
+
+def test_a_plan_a_device_cannot_hold_is_made_again_for_less():
+    """built_on_every_device: a plan whose share on one device needs more than its budget is made
+    again for budget / need of the budget, until it builds; one device, or the last plan, raises the
+    builder's refusal as it was."""
+    from turnip.ir.errors import InfeasibleBudget
+    from turnip.memgraph import compiler
+
+    scales = []
+
+    def build_plans(plans):
+        if plans[0] > 0.7:  # this plan leaves a device short: it needs 1250 of its 1000
+            raise InfeasibleBudget("short", minimum=1250)
+        return f"built {plans[0]:.2f}"
+
+    def replan(scale):
+        scales.append(scale)
+        return [scale]
+
+    assert compiler.built_on_every_device([1.0], build_plans, replan, 1000, 2) == "built 0.64"
+    assert scales == [0.8, 0.8 * 0.8]
+    with pytest.raises(InfeasibleBudget):  # on one device the refusal stands
+        compiler.built_on_every_device([1.0], build_plans, replan, 1000, 1)
+
+    def never(plans):
+        raise InfeasibleBudget("short", minimum=1100)
+
+    with pytest.raises(InfeasibleBudget):
+        compiler.built_on_every_device([1.0], never, lambda scale: [scale], 1000, 2)
