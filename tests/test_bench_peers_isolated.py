@@ -76,7 +76,7 @@ def test_snapshot_round_trip_and_mismatch(tmp_path):
     path = isolated.write_snapshot(workload, tmp_path / "w.safetensors")
     with isolated.skip_init():
         rebuilt = make_workload("gpt350m", tiny=True)
-    assert not torch.equal(rebuilt.model.blocks[0].fc.weight, workload.model.blocks[0].fc.weight)
+    assert rebuilt.model.blocks[0].fc.weight.isnan().all()  # skipped initialization marks itself
     isolated.load_snapshot(rebuilt, path)
     for (name, a), (_, b) in zip(isolated.named_tensors(workload.model), isolated.named_tensors(rebuilt.model)):
         assert torch.equal(a, b), name

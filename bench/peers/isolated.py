@@ -79,14 +79,20 @@ def write_snapshot(workload: Workload, path: str | Path) -> Path:
 
 @contextlib.contextmanager
 def skip_init():
-    """Random initialization as a no-op (it is most of a large model's build time; the snapshot's
-    values replace it). Restores every function it replaced."""
+    """Random initialization skipped (it is most of a large model's build time; the snapshot's
+    values replace it): a floating tensor it would have drawn is filled with NaN instead, so a
+    model used before its snapshot is loaded computes NaN, never plausible numbers (left
+    uninitialized, its memory could even hold a freed copy of the very weights the snapshot has).
+    Restores every function it replaced."""
     init_names = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
                   "xavier_normal_", "orthogonal_")
     saved = [(torch.nn.init, n, getattr(torch.nn.init, n)) for n in init_names if hasattr(torch.nn.init, n)]
     saved += [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in ("uniform_", "normal_")]
 
     def keep(tensor, *_args, **_kwargs):
+        if tensor.is_floating_point():
+            with torch.no_grad():
+                tensor.fill_(float("nan"))
         return tensor
 
     try:
