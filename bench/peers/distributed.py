@@ -102,10 +102,27 @@ def kill_tree(pid: int) -> None:
     torchrun is stopped before the listing so that it cannot start a rank the listing would miss."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGSTOP)
-    for victim in [pid, *descendants(pid)]:
+    victims = [pid, *descendants(pid)]
+    for victim in victims:
         for kill in (os.killpg, os.kill):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 kill(victim, signal.SIGKILL)
+    # a killed process with torch loaded takes a while to tear down on a busy host: return once all are gone
+    deadline = time.monotonic() + KILL_WAIT_S
+    while any(running(victim) for victim in victims) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+KILL_WAIT_S = 10.0
+
+
+def running(pid: int) -> bool:
+    """``pid`` exists and has not exited (a zombie, exited and not yet reaped, does not count)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 # -- one run -------------------------------------------------------------------------------------
