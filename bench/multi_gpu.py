@@ -4,6 +4,11 @@ its own torchrun.
 
     python -m turnip.bench multi_gpu --devices 2 --model gpt1.3b --budgets 100%,50%,25%,20%,10%
     python -m turnip.bench multi_gpu --devices 3 --tiny --device cpu      # virtual CPU devices, < 1 min
+    python -m turnip.bench multi_gpu --devices 4 --budgets 1.0,0.5,0.25 --peers ddp,fsdp2 --isolate
+
+With ``--isolate`` each turnip budget (the first with the eager rows) runs in a process of its own, as
+the peers do, killed after ``--row-limit`` seconds: a crash or a device-side assert costs its row, a
+budget starts on GPUs the last one left clean, and one command still writes one JSON file.
 
 Budgets are per device, fractions of single-GPU eager's peak (``AdamW()``, measured first in the same
 run), as in the single-GPU suite. Every row records its device count, the median step, the spread,
@@ -17,6 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +37,8 @@ from ..ir.memgraph import Stream
 from ..planners.costs import CostModel
 from .models.sizes import make_workload
 from .peers import distributed, eager
-from .peers.common import OK, PeerResult, Workload, is_cuda, release_memory, timed_steps, trainable
+from .peers.common import ERROR, OK, TIMEOUT, PeerResult, Workload, is_cuda, release_memory, timed_steps, trainable
+from .peers.isolated import run_limited
 from .results import result_path
 
 log = logging.getLogger(__name__)
@@ -123,6 +132,33 @@ def run_peers(model: str, devices: int, systems: list[str], steps: int, limit_s:
     return rows
 
 
+TAIL_LINES = 40
+
+
+def run_budget_isolated(args, budget: float, eager_peak: int | None, eager: bool) -> dict:
+    """The JSON document (rows, eager_peak, info) of one budget run by ``python -m turnip.bench multi_gpu``
+    in a process of its own (measuring eager first where ``eager``, else given ``eager_peak``); where
+    it wrote none, one row saying why."""
+    with tempfile.TemporaryDirectory(prefix="turnip-multi-gpu-") as folder:
+        out = Path(folder) / "rows.json"
+        cmd = [sys.executable, "-m", "turnip.bench", "multi_gpu", "--devices", str(args.devices), "--model", args.model,
+               "--device", args.device, "--budgets", f"{budget:g}", "--steps", str(args.steps), "--warmup",
+               str(args.warmup), "--planner", args.planner, "--no-plots", "--out", str(out)]
+        cmd += ["--tiny"] * args.tiny + ["--one-device-too"] * args.one_device_too
+        if not eager:
+            cmd += ["--eager-peak", str(eager_peak)] if eager_peak is not None else ["--no-eager"]
+        ran = run_limited(cmd, dict(os.environ, PYTHONUNBUFFERED="1"), args.row_limit,
+                          lambda line: log.info("[%g] %s", budget, line), TAIL_LINES)
+        if out.exists() and not ran.killed:
+            return json.loads(out.read_text())
+    status = TIMEOUT if ran.killed else ERROR
+    error = (f"killed after {args.row_limit:.0f}s without a result" if ran.killed
+             else f"exited with {ran.returncode} without a result")
+    row = PeerResult("turnip", status=status, error=error,
+                     extra={"devices": args.devices, "budget": budget, "log_tail": "\n".join(ran.tail)[-6000:]}).row()
+    return {"rows": [row], "eager_peak": eager_peak}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m turnip.bench multi_gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=2)
@@ -136,24 +172,43 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--peer-limit", type=float, default=240.0, help="seconds each peer may run")
     parser.add_argument("--eager-peak", type=int, default=None, help="one-GPU eager's peak bytes, measured by an "
                         "earlier run: the eager rows are skipped")
+    parser.add_argument("--no-eager", action="store_true", help="no eager rows: without --eager-peak, budgets are "
+                        "fractions of turnip's unplanned peak")
     parser.add_argument("--planner", default="auto", help="memgraph.compile's planner: auto, ilp, greedy, none")
     parser.add_argument("--one-device-too", action="store_true", help="turnip on one device at each budget too")
     parser.add_argument("--timelines", action="store_true", help="a Perfetto timeline of one step per turnip row")
     parser.add_argument("--no-plots", action="store_true", help="no Pareto plot beside the JSON")
+    parser.add_argument("--isolate", action="store_true", help="each turnip budget (the first with the eager rows) "
+                        "in a process of its own")
+    parser.add_argument("--row-limit", type=float, default=300.0, help="--isolate: seconds each budget's process may run")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.isolate and args.timelines:
+        parser.error("--timelines records in this process: run it without --isolate")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    workload = make_workload(args.model, tiny=args.tiny)
     rows, eager_peak = [], args.eager_peak
-    if eager_peak is None:
+    budgets = [float(b.rstrip("%")) / (100 if b.endswith("%") else 1) for b in args.budgets.split(",") if b]
+    if args.isolate:  # this process never builds the model nor touches a GPU: each budget's own process does
+        name, info = args.model + ("-tiny" if args.tiny else ""), None
+        for budget in budgets:
+            eager = eager_peak is None and not args.no_eager and not any(r["system"] == "eager" for r in rows)
+            doc = run_budget_isolated(args, budget, eager_peak, eager)
+            rows += doc["rows"]
+            eager_peak = doc.get("eager_peak", eager_peak)
+            name, info = doc.get("model", name), doc.get("info", info)
+        budgets = []
+    else:
+        workload = make_workload(args.model, tiny=args.tiny)
+        name, info = workload.name, workload.info
+    if not args.isolate and eager_peak is None and not args.no_eager:
         rows.append(run_eager(workload, args.device, args.steps, args.warmup, fused=False))
         if is_cuda(args.device):
             rows.append(run_eager(workload, args.device, args.steps, args.warmup, fused=True))
         eager_peak = rows[0].get("peak_reserved") if rows[0]["status"] == OK else None
     out = Path(args.out) if args.out else result_path(f"multi_gpu_{args.model}_x{args.devices}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    for budget in [float(b.rstrip("%")) / (100 if b.endswith("%") else 1) for b in args.budgets.split(",") if b]:
+    for budget in budgets:
         for devices in ([1] if args.one_device_too else []) + [args.devices]:
             timeline = out.with_name(f"{out.stem}_d{devices}_{budget:g}.timeline.json") if args.timelines else None
             row = run_turnip(workload, args.device, devices, budget, eager_peak, args.steps, args.warmup, timeline,
@@ -164,13 +219,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      format_bytes(row["peak_reserved"]) if row.get("peak_reserved") else "-")
     if args.peers:
         rows += run_peers(args.model, args.devices, args.peers.split(","), args.steps, args.peer_limit, args.tiny)
-    out.write_text(json.dumps({"model": workload.name, "devices": args.devices, "device": args.device,
-                               "eager_peak": eager_peak, "info": workload.info, "rows": rows}, indent=1, default=str))
+    out.write_text(json.dumps({"model": name, "devices": args.devices, "device": args.device,
+                               "eager_peak": eager_peak, "info": info, "rows": rows}, indent=1, default=str))
     log.info("wrote %s", out)
     if not args.no_plots:
         from .plots import plot_pareto  # matplotlib is optional
 
         png = plot_pareto(rows, out.with_suffix(".png"),
-                          title=f"{workload.name} on {args.devices} devices: step time vs peak memory per device")
+                          title=f"{name} on {args.devices} devices: step time vs peak memory per device")
         log.info("drew %s", png)
     return rows

@@ -19,3 +19,26 @@ def test_suite_with_devices_writes_turnip_rows_beside_eager(tmp_path):
         assert row["status"] == "ok" and row["devices"] == 2 and row["step_s_median"] > 0
         assert row["bytes_d2d"] > 0  # the gradients and the refreshed weights cross between the devices
     assert rows[("turnip", 0.8)]["arena_bytes"] < rows[("turnip", 1.0)]["arena_bytes"]
+
+
+def test_isolated_budgets_each_run_in_a_process_of_their_own_into_one_file(tmp_path):
+    """--isolate: the first budget's process measures eager, the next is given its peak; one JSON holds
+    every row; a budget whose process is killed at --row-limit is a timeout row, not a lost run."""
+    from turnip.bench import multi_gpu
+
+    out = tmp_path / "x2.json"
+    multi_gpu.main(["--devices", "2", "--tiny", "--device", "cpu", "--budgets", "1.0,0.8", "--steps", "1",
+                    "--warmup", "0", "--isolate", "--no-plots", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    rows = {(r["system"], r.get("budget")): r for r in doc["rows"]}
+    assert [r["system"] for r in doc["rows"]].count("eager") == 1 and rows[("eager", None)]["status"] == "ok"
+    assert doc["eager_peak"] is None or doc["eager_peak"] == rows[("eager", None)]["peak_reserved"]
+    assert all(rows[("turnip", b)]["status"] == "ok" and rows[("turnip", b)]["devices"] == 2 for b in (1.0, 0.8))
+    assert doc["info"]["parameters"] > 0
+
+    slow = tmp_path / "slow.json"
+    multi_gpu.main(["--devices", "2", "--tiny", "--device", "cpu", "--budgets", "1.0", "--isolate", "--row-limit",
+                    "0.5", "--no-plots", "--out", str(slow)])
+    (row,) = json.loads(slow.read_text())["rows"]
+    assert (row["system"], row["status"], row["budget"]) == ("turnip", "timeout", 1.0)
+    assert row["error"] == "killed after 0s without a result"
