@@ -60,10 +60,10 @@ from .completions import (
     launch_host_func,
 )
 from .cuda_graphs import SegmentGraphs
-from .lane_pools import LanePools
 from .errors import EngineError
 from .host_lane import HostDone, HostStream
 from .host_memory import describe_host, host_memory
+from .lane_pools import LanePools
 from .loop import POLL_S, Launch, NotRun, StepToken
 from .resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD, transfer_depth_of
 from .runtime import InputBinding, OutputBinding, Runtime, arena_devices
