@@ -65,7 +65,7 @@ from .host_lane import HostDone, HostStream
 from .host_memory import describe_host, host_memory
 from .lane_pools import LanePools
 from .loop import POLL_S, Launch, NotRun, StepToken
-from .resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD, transfer_depth_of
+from .resources import CUDA_LAUNCH_AHEAD, CUDA_TRANSFER_AHEAD, reported_ahead
 from .runtime import InputBinding, OutputBinding, Runtime, arena_devices
 
 log = logging.getLogger(__name__)
@@ -276,8 +276,8 @@ class CudaRuntime(Runtime):
 
     def _depth(self, stream_class: Stream) -> int:
         """Vertices a lane reports at launch: compute launch-ahead, this step's transfer_ahead for
-        the host link's copies, none for copies between devices (resources.transfer_depth)."""
-        return transfer_depth_of(stream_class, self.depth, self.transfer_depth)
+        the host link's copies, none for copies between devices (resources.reported_ahead)."""
+        return reported_ahead(stream_class, self.depth, self.transfer_depth)
 
     def lane(self, item: Launch) -> Lane:
         lane = self.lanes.get((item.key, item.instance))

@@ -69,30 +69,31 @@ class SegmentGraphs:
         if stored is not None and stored[1] == baked:
             stored[0].replay()
             return
-        pools = self.lane_pools
-        if stored is not None and self._changes_again(unit):
-            with pools.allocating_from(lane):
-                launch()
+        outdated_for_good = stored is not None and self._changes_again(unit)  # new scalars, too often
+        if not outdated_for_good and self._captured(unit, lane, key, baked, launch):
             return
+        with self.lane_pools.allocating_from(lane):  # first run, uncapturable, or volatile: plain launches
+            launch()
+
+    def _captured(self, unit: int, lane: tuple, key: tuple, baked: tuple, launch: Callable[[], None]) -> bool:
+        """Capture ``launch()`` into the lane's pool and replay it (True), unless this is the unit's
+        first run on the lane, or it cannot be captured, or its scalars keep changing (False)."""
         runs = self.runs.get(key, 0)
         self.runs[key] = runs + 1
         if runs == 0 or unit in self.uncapturable or unit in self.volatile:
-            with pools.allocating_from(lane):
-                launch()
-            return
+            return False
         try:
-            graph = captured(launch, pools.handle(lane))
+            graph = captured(launch, self.lane_pools.handle(lane))
         except Exception as exc:  # noqa: BLE001 - a capture that fails launched nothing: run it plainly
             self.uncapturable.add(unit)
             self.graphs.pop(key, None)
             log.warning("segment %d cannot be captured as a CUDA graph (%s: %s); it runs as ordinary "
                         "launches", unit, type(exc).__name__, exc)
-            with pools.allocating_from(lane):
-                launch()
-            return
+            return False
         self.graphs[key] = (graph, baked)
         self.captures += 1
         graph.replay()
+        return True
 
     def _changes_again(self, unit: int) -> bool:
         """Count a capture of ``unit`` outdated by new scalars; True once the unit has become

@@ -63,7 +63,7 @@ def transfer_depth(device_type: str, transfer_ahead: int | None) -> int:
     return transfer_ahead
 
 
-def transfer_depth_of(stream_class: Stream, compute_depth: int, copy_depth: int) -> int:
+def reported_ahead(stream_class: Stream, compute_depth: int, copy_depth: int) -> int:
     """Units a lane of ``stream_class`` reports finished at enqueue: compute_depth for kernels (launch
     ahead), copy_depth for the host link's copies (transfer_ahead), none for the host lane and for
     copies between devices. A copy between devices is reported when it has run: its readers are

@@ -78,7 +78,7 @@ from .dispatch import per_vertex
 from .errors import StallError
 from .loop import Record, Scheduler, StaticGraph
 from .policy import Policy, make_policy
-from .resources import CUDA_LAUNCH_AHEAD, StreamPool, WorkspacePool, stream_counts, transfer_depth, transfer_depth_of
+from .resources import CUDA_LAUNCH_AHEAD, StreamPool, WorkspacePool, reported_ahead, stream_counts, transfer_depth
 from .runtime import arena_devices, workspace_capacity
 from .timeline import write_timeline
 
@@ -342,7 +342,7 @@ class _Sim:
             stream, dev = self.g.keys[key]
             pool_name = stream.value if (self.duplex or stream in (Stream.COMPUTE, Stream.HOST, Stream.D2D)) else "link"
             name = f"{stream.value} {inst}" + (f" @{dev}" if dev else "")
-            depth = transfer_depth_of(stream, self.depth, self.transfer_depth)
+            depth = reported_ahead(stream, self.depth, self.transfer_depth)
             lane = _Lane(name, (pool_name, dev), depth)
             self.lanes[(key, inst)] = lane
         return lane
