@@ -193,6 +193,25 @@ def test_cuda_graph_segments_equal_plain_launches_under_a_scheduler():
     plain.release()
 
 
+def test_a_capture_that_fails_leaves_its_pool_usable():
+    """A capture that fails (here: a host synchronization inside it) ends its hold on the lane's pool,
+    so the lane's plain launches and later captures still allocate from it."""
+    from turnip.kernels.capture import captured
+
+    pool = torch.cuda.MemPool()
+    stream = torch.cuda.Stream()
+    x = torch.ones(1024, device="cuda")
+    with torch.cuda.stream(stream):
+        with pytest.raises(RuntimeError):  # torch.AcceleratorError is one
+            captured(lambda: (x * 2).sum().item(), pool.id)
+        with torch.cuda.use_mem_pool(pool):
+            y = x * 3
+        graph = captured(lambda: torch.mul(x, 4, out=y), pool.id)
+        graph.replay()
+    stream.synchronize()
+    assert y[0].item() == 4.0
+
+
 def test_forward_only_step_matches_eager_under_a_budget():
     """compile(..., backward=False) on CUDA: the outputs (returned in pinned host memory) are eager's
     no_grad forward within float tolerance at a budget that streams weights."""
