@@ -272,8 +272,8 @@ def test_gradients_and_weights_move_in_buckets_and_stay_bitwise(gpt_case, monkey
 
 def test_a_plan_a_device_cannot_hold_is_made_again_for_less():
     """built_on_every_device: a plan whose share on one device needs more than its budget is made
-    again for budget / need of the budget, until it builds; one device, or the last plan, raises the
-    builder's refusal as it was."""
+    again for budget / need of the budget (and for at least 5% less), until it builds; one device, or
+    the last plan, raises the builder's refusal as it was."""
     from turnip.ir.errors import InfeasibleBudget
     from turnip.memgraph import compiler
 
@@ -292,6 +292,16 @@ def test_a_plan_a_device_cannot_hold_is_made_again_for_less():
     assert scales == [0.8, 0.8 * 0.8]
     with pytest.raises(InfeasibleBudget):  # on one device the refusal stands
         compiler.built_on_every_device([1.0], build_plans, replan, 1000, 1)
+
+    scales.clear()  # a device a hair short: each plan again for 5% less, not for 99.6%
+
+    def hair_short(plans):
+        if plans[0] > 0.92:
+            raise InfeasibleBudget("short", minimum=1004)
+        return f"built {plans[0]:.4f}"
+
+    assert compiler.built_on_every_device([1.0], hair_short, replan, 1000, 2) == "built 0.9025"
+    assert scales == [0.95, 0.95 * 0.95]
 
     def never(plans):
         raise InfeasibleBudget("short", minimum=1100)
