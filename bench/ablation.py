@@ -171,15 +171,17 @@ def summarize(rows: list[dict]) -> list[dict]:
 # -- on the device -------------------------------------------------------------------------------
 
 def device_ablation(model_name: str, budget: float, repeat: int, device: str, time_limit: float,
-                    devices: int = 1) -> dict:
+                    devices: int = 1, planner: str = "auto") -> dict:
     """Both orderings on one compiled MemGraph, alternating, plus the simulator's prediction of each
     (bench/engine_variants.py's rounds, with the engine's default transfer_ahead); on `devices`
-    devices of one host, one MemGraph over all of them."""
+    devices of one host, one MemGraph over all of them, planned by `planner` (compile's)."""
     workload = make_workload(model_name, tiny=device == "cpu")
-    part = run_budget(workload, device, budget, settings(list(ORDERINGS), [None]), repeat,
-                      {"devices": devices} if devices > 1 else {}, time.monotonic() + time_limit)
+    options = {"planner": planner} | ({"devices": devices} if devices > 1 else {})
+    part = run_budget(workload, device, budget, settings(list(ORDERINGS), [None]), repeat, options,
+                      time.monotonic() + time_limit)
     rows = part["settings"]
-    result = {"model": workload.name, "budget": budget, "devices": devices, "compile_s": part["compile_s"],
+    result = {"model": workload.name, "budget": budget, "devices": devices, "planner": planner,
+              "compile_s": part["compile_s"],
               "summary": part["summary"],
               "rounds": min(len(row["step_s"]) for row in rows)}
     for row in rows:
@@ -199,6 +201,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=10, help="device part: rounds of both orderings")
     parser.add_argument("--time-limit", type=float, default=400.0, help="device part: seconds of rounds")
     parser.add_argument("--devices", type=int, default=1, help="device part: one MemGraph over this many devices")
+    parser.add_argument("--planner", default="auto", help="device part: compile's planner (auto, ilp, greedy)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -229,7 +232,8 @@ def main(argv=None) -> int:
               f"[{s['det_over_nondet_min']:.3f}, {s['det_over_nondet_max']:.3f}]  nondet wins {s['nondet_wins']}"
               f"/{s['seeds']}")
     if args.device:
-        dev = device_ablation(args.model, args.budget, args.repeat, args.device, args.time_limit, args.devices)
+        dev = device_ablation(args.model, args.budget, args.repeat, args.device, args.time_limit, args.devices,
+                              args.planner)
         dpath = out / f"ablation_device_{dev['model']}{f'_x{args.devices}' if args.devices > 1 else ''}.json"
         dpath.write_text(json.dumps({"benchmark": "ablation_device", **run_metadata(), **dev}, indent=1,
                                     default=str))
