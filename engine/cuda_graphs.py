@@ -87,6 +87,7 @@ class SegmentGraphs:
         except Exception as exc:  # noqa: BLE001 - a capture that fails launched nothing: run it plainly
             self.uncapturable.add(unit)
             self.graphs.pop(key, None)
+            self.lane_pools.renew(lane)
             log.warning("segment %d cannot be captured as a CUDA graph (%s: %s); it runs as ordinary "
                         "launches", unit, type(exc).__name__, exc)
             return False

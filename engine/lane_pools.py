@@ -30,6 +30,7 @@ class LanePools:
     def __init__(self, largest_workspace: int):
         self.largest_workspace = largest_workspace
         self.pools: dict[tuple, tuple[torch.cuda.MemPool, torch.device]] = {}
+        self.retired: list[torch.cuda.MemPool] = []  # pools a failed capture left unusable (kept: see renew)
 
     def add(self, lane: tuple, stream: torch.cuda.Stream, prewarm: bool) -> None:
         """Make the pool of ``lane``, whose kernels run on ``stream``. prewarm: give it one block of
@@ -43,6 +44,18 @@ class LanePools:
                 block = torch.empty(self.largest_workspace, dtype=torch.uint8, device=stream.device)
                 del block  # its segment stays in the pool, free for the lane's temporaries
 
+    def renew(self, lane: tuple) -> None:
+        """Give ``lane`` a new pool after a capture into its pool failed. torch's capture_end raises
+        before it stops the allocator capturing into the pool, and a pool left so refuses every
+        later capture and use_mem_pool ("beginAllocateToPool: already recording to mempool_id":
+        gpt1.3b on two H100s at 25% lost its second step so). The old pool is kept, not freed:
+        freeing a pool torch still counts as being captured into is not safe, and its blocks (a
+        workspace's worth at most) stay reserved. Not prewarmed, for the same reason."""
+        old, device = self.pools[lane]
+        self.retired.append(old)
+        with torch.cuda.device(device):
+            self.pools[lane] = (torch.cuda.MemPool(), device)
+
     def handle(self, lane: tuple) -> tuple:
         """The id a capture takes as its pool (torch.cuda.graph's pool argument)."""
         return self.pools[lane][0].id
@@ -54,3 +67,4 @@ class LanePools:
 
     def clear(self) -> None:
         self.pools.clear()
+        self.retired.clear()

@@ -193,23 +193,27 @@ def test_cuda_graph_segments_equal_plain_launches_under_a_scheduler():
     plain.release()
 
 
-def test_a_capture_that_fails_leaves_its_pool_usable():
-    """A capture that fails (here: a host synchronization inside it) ends its hold on the lane's pool,
-    so the lane's plain launches and later captures still allocate from it."""
+def test_a_lane_whose_capture_failed_launches_and_captures_again():
+    """A capture that fails (here: a host synchronization inside it) leaves the lane's pool marked
+    as captured into; the lane is given a new pool (LanePools.renew), so its plain launches and
+    later captures still allocate from a pool of its own."""
+    from turnip.engine.lane_pools import LanePools
     from turnip.kernels.capture import captured
 
-    pool = torch.cuda.MemPool()
+    pools = LanePools(largest_workspace=0)
     stream = torch.cuda.Stream()
+    pools.add("lane", stream, prewarm=False)
     x = torch.ones(1024, device="cuda")
     with torch.cuda.stream(stream):
         with pytest.raises(RuntimeError):  # torch.AcceleratorError is one
-            captured(lambda: (x * 2).sum().item(), pool.id)
-        with torch.cuda.use_mem_pool(pool):
+            captured(lambda: (x * 2).sum().item(), pools.handle("lane"))
+        pools.renew("lane")
+        with pools.allocating_from("lane"):
             y = x * 3
-        graph = captured(lambda: torch.mul(x, 4, out=y), pool.id)
+        graph = captured(lambda: torch.mul(x, 4, out=y), pools.handle("lane"))
         graph.replay()
     stream.synchronize()
-    assert y[0].item() == 4.0
+    assert y[0].item() == 4.0 and len(pools.retired) == 1
 
 
 def test_forward_only_step_matches_eager_under_a_budget():
