@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from cases import make_case
+from cases import bf16_autocast, make_case
 from turnip.ir.batch import BatchError
 from turnip.ir.memgraph import Stream
 from turnip.trace.errors import UnsupportedFeature
@@ -308,3 +308,31 @@ def test_a_plan_a_device_cannot_hold_is_made_again_for_less():
 
     with pytest.raises(InfeasibleBudget):
         compiler.built_on_every_device([1.0], never, lambda scale: [scale], 1000, 2)
+
+
+@pytest.fixture(scope="module")
+def autocast_case():
+    model, loss_fn, batches = make_case("gpt")
+    return model, bf16_autocast(loss_fn), batches
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("budget", [None, 0.7])
+def test_weights_cast_for_autocast_are_cast_once_on_their_owner_and_stay_bitwise(autocast_case, devices, budget):
+    """Under bf16 autocast each Linear weight is cast on its owner, once for every device, and the
+    devices receive the cast: no replica of it anywhere, and eager's numbers bit for bit."""
+    mg = compiled(autocast_case, devices, budget=budget)
+    assert memgraph.verify(mg) == []
+    tg = mg.taskgraph
+    weight_casts = [v for v in tg.vertices if v.op == "aten::_to_copy" and v.phase == "forward"
+                    and tg.values[next(iter(v.inputs()))].kind.value == "parameter"]
+    assert weight_casts and all(tg.values[next(iter(v.inputs()))].device == v.device for v in weight_casts)
+    cast_weights = [next(iter(v.inputs())) for v in weight_casts]
+    assert len(cast_weights) == len(set(cast_weights))  # once, not once per micro-batch
+    replicas = {v.name.split(":", 1)[1] for v in tg.values if v.name.startswith("replica")}
+    read_uncast = {tg.values[x].name for v in tg.vertices if v not in weight_casts and v.phase == "forward"
+                   for x in v.inputs()}  # the tied embedding's weight: the lookup reads it in fp32
+    assert replicas and replicas & {tg.values[w].name for w in cast_weights} <= read_uncast
+    assert len(read_uncast & {tg.values[w].name for w in cast_weights}) < len(cast_weights) // 2
+    for ordering in ("deterministic", "random"):
+        assert_matches_eager(mg, autocast_case, devices, ordering, seed=5)

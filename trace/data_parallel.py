@@ -193,8 +193,11 @@ def place_on_devices(tg: TaskGraph, count: int, micro_of: dict[int, int], reduce
         if val.kind.is_persistent:
             val.device = owner.get(val.id, 0)
     replicated = {v.id for v in tg.values if v.kind.is_persistent and v.id not in mutated}
+    cast_of = _weight_casts(tg, trained, micro_of)
     for vertex in tg.vertices:
-        if vertex.id in micro_of:
+        if vertex.id in cast_of:
+            vertex.device = owner[cast_of[vertex.id]]
+        elif vertex.id in micro_of:
             vertex.device = micro_of[vertex.id]
         elif vertex.id in reduce_of:
             vertex.device = owner[params[reduce_of[vertex.id]]]
@@ -244,9 +247,22 @@ def place_on_devices(tg: TaskGraph, count: int, micro_of: dict[int, int], reduce
             offset += _numel(tg.values[x])
 
     micro_at: dict[int, int] = {}  # micro_of, by the ids of `out`
+    cast_made: dict[tuple, int] = {}  # a weight's cast (op, args) -> its result, made once on the owner
+    same_cast: dict[int, int] = {}  # the result of a cast made again -> the first one's
     for vertex in tg.vertices:
+        if vertex.id in cast_of:
+            key = (vertex.op, vertex.args, tuple(sorted(vertex.kwargs.items(), key=lambda kv: kv[0])))
+            if key in cast_made:
+                same_cast[vertex.outputs[0]] = cast_made[key]
+                continue
+            cast_made[key] = vertex.outputs[0]
         views: dict[int, tuple[int, int]] = {}
         for x in vertex.inputs():
+            if x in same_cast:
+                x_home = same_cast[x]
+                views[x] = (x_home, 0) if tg.values[x_home].device == vertex.device else \
+                    (copy_of(x_home, vertex.device, vertex), 0)
+                continue
             if tg.values[x].device == vertex.device:
                 continue
             if x in bucket_of:
@@ -292,6 +308,23 @@ def place_on_devices(tg: TaskGraph, count: int, micro_of: dict[int, int], reduce
                     out.bindings[rep] = fresh
                 offset += _numel(val)
     return _interleaved(out, micro_at, count)
+
+
+def _weight_casts(tg: TaskGraph, trained: set[int], micro_of: dict[int, int]) -> dict[int, int]:
+    """The forward's dtype casts of trained weights (autocast's bf16 copy of a Linear's weight, read
+    by its matmul and saved for the backward): cast vertex -> the weight. They run on the weight's
+    owner, once for all micro-batches, and the other devices receive the cast (half an fp32
+    replica's bytes, over device-to-device links) instead of keeping a replica of the weight: a
+    weight every device reads only so is then held on its owner alone (ZeRO-3's sharding, with
+    what travels already in the compute dtype), and no replica is refreshed after the update."""
+    casts = {}
+    for vertex in tg.vertices:
+        if vertex.op != "aten::_to_copy" or vertex.id not in micro_of or set(vertex.kwargs) != {"dtype"}:
+            continue
+        inputs = list(vertex.inputs())
+        if len(inputs) == 1 and inputs[0] in trained and len(vertex.args) == 1:
+            casts[vertex.id] = inputs[0]
+    return casts
 
 
 def _numel(val) -> int:
