@@ -317,10 +317,11 @@ def autocast_case():
 
 
 @pytest.mark.parametrize("devices", [2, 3])
-@pytest.mark.parametrize("budget", [None, 0.7])
+@pytest.mark.parametrize("budget", [0.45, 0.35])
 def test_weights_cast_for_autocast_are_cast_once_on_their_owner_and_stay_bitwise(autocast_case, devices, budget):
-    """Under bf16 autocast each Linear weight is cast on its owner, once for every device, and the
-    devices receive the cast: no replica of it anywhere, and eager's numbers bit for bit."""
+    """Under bf16 autocast and a budget below CASTS_TRAVEL_BELOW of the unplanned peak, each Linear
+    weight is cast on its owner, once for every device, and the devices receive the cast: no
+    replica of it anywhere, and eager's numbers bit for bit."""
     mg = compiled(autocast_case, devices, budget=budget)
     assert memgraph.verify(mg) == []
     tg = mg.taskgraph
@@ -336,3 +337,16 @@ def test_weights_cast_for_autocast_are_cast_once_on_their_owner_and_stay_bitwise
     assert len(read_uncast & {tg.values[w].name for w in cast_weights}) < len(cast_weights) // 2
     for ordering in ("deterministic", "random"):
         assert_matches_eager(mg, autocast_case, devices, ordering, seed=5)
+
+
+def test_above_the_threshold_every_device_keeps_a_replica_and_casts_it(autocast_case):
+    """With the budget at or above CASTS_TRAVEL_BELOW of the unplanned peak, the weights stay
+    replicated: each device casts its own replica."""
+    from turnip.memgraph.compiler import CASTS_TRAVEL_BELOW
+
+    mg = compiled(autocast_case, 2, budget=min(0.9, CASTS_TRAVEL_BELOW + 0.2))
+    tg = mg.taskgraph
+    casts = [v for v in tg.vertices if v.op == "aten::_to_copy" and v.phase == "forward"
+             and tg.values[next(iter(v.inputs()))].name.startswith("replica1:param:blocks.0.")]
+    assert casts and all(v.device == 1 for v in casts)
+    assert_matches_eager(mg, autocast_case, 2, "random", seed=5)

@@ -174,10 +174,11 @@ def owners(tg: TaskGraph, params: list[int], count: int) -> dict[int, int]:
 
 
 def place_on_devices(tg: TaskGraph, count: int, micro_of: dict[int, int], reduce_of: dict[int, int],
-                     params: list[int]) -> TaskGraph:
+                     params: list[int], casts_travel: bool = False) -> TaskGraph:
     """The TaskGraph of one device's step with every vertex and value on one of `count` devices.
     micro_of: vertex -> the micro-batch (device) whose forward or backward made it; reduce_of:
-    vertex -> index into `params` of the parameter whose gradient sum it is part of."""
+    vertex -> index into `params` of the parameter whose gradient sum it is part of. casts_travel:
+    the weights' dtype casts run on their owners and travel (`_weight_casts`)."""
     owner = owners(tg, params, count)
     produced_by_update = {new for new in tg.bindings.values()
                           if tg.values[new].producer >= 0 and tg.vertices[tg.values[new].producer].phase == "optimizer"}
@@ -193,7 +194,7 @@ def place_on_devices(tg: TaskGraph, count: int, micro_of: dict[int, int], reduce
         if val.kind.is_persistent:
             val.device = owner.get(val.id, 0)
     replicated = {v.id for v in tg.values if v.kind.is_persistent and v.id not in mutated}
-    cast_of = _weight_casts(tg, trained, micro_of)
+    cast_of = _weight_casts(tg, trained, micro_of) if casts_travel else {}
     for vertex in tg.vertices:
         if vertex.id in cast_of:
             vertex.device = owner[cast_of[vertex.id]]

@@ -435,7 +435,8 @@ def target_device(device) -> torch.device:
 def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
           device: str | torch.device | None = None, fused_optimizer: bool | None = None,
           max_grad_norm: float | None = None, norm_type: float = 2.0, accumulation_steps: int = 1,
-          backward: bool = True, loss_blocks: int | None = None, donate: bool = True, devices: int = 1) -> TaskGraph:
+          backward: bool = True, loss_blocks: int | None = None, donate: bool = True, devices: int = 1,
+          casts_travel: bool = False) -> TaskGraph:
     """Trace forward, loss, backward and the optimizer update of one training step.
 
     donate: rewrite ops whose input dies there to write over it (trace/donate.py); False leaves
@@ -458,6 +459,8 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     one forward and backward per device, each on its micro-batch like example_batch, the gradients
     added in device order on each parameter's owner and divided by N (DDP's averaging), one update
     per parameter on its owner; outputs "losses" (the N losses) and "loss" (their mean).
+    casts_travel: the weights' autocast casts run on their owners and travel to the devices, in
+    place of a replica of each weight on every device (data_parallel._weight_casts).
 
     max_grad_norm: clip the gradients to this total norm before the update, with the arithmetic of
     ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type)`` (its total norm, then every
@@ -664,7 +667,7 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
             return {vid: tag for vid, node in reader.vertex_nodes.items()
                     for start, end, tag in spans if start <= node < end}
         tg = place_on_devices(tg, devices, spanned(marks["micro"]), spanned(marks["reduce"]),
-                              [input_vid[f"param:{name}"] for name in trainable])
+                              [input_vid[f"param:{name}"] for name in trainable], casts_travel)
     tg = run_passes(tg, step_passes(loss_blocks=loss_blocks, donate=donate))
     log.info("traced %d vertices, %d values", len(tg.vertices), len(tg.values))
     return tg
