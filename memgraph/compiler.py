@@ -27,7 +27,7 @@ from ..planners.measure import device_name
 from ..trace.data_parallel import read_devices
 from ..trace.passes import DONATE, run_passes
 from ..trace.split_loss import split_loss_head
-from ..trace.tracer import check_clipping, target_device, trace
+from ..trace.tracer import check_clipping, target_device, trace_step
 from .builder import build, build_walks
 from .progress import Phases, stderr_is_terminal
 from .remake_offloaded import recompute_evicted
@@ -157,10 +157,11 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     with Phases(list(PHASES), enabled=verbose) as progress:
         with progress.phase("tracing"):
             loss_blocks = split_blocks(split)
-            tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device,
-                       fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type,
-                       accumulation_steps=accumulation_steps, backward=backward,
-                       loss_blocks=loss_blocks, donate=split != "auto", devices=device_count)
+            step = trace_step(model, loss_fn, example_batch, optimizer=optimizer, device=device,
+                              fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type,
+                              accumulation_steps=accumulation_steps, backward=backward,
+                              loss_blocks=loss_blocks, donate=split != "auto", devices=device_count)
+            tg = step.finished()
             traced = None
             if split == "auto":  # kept as traced: its loss head is split if the budget needs it
                 traced, tg = tg, donated(tg)
@@ -184,14 +185,11 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             log.debug("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
                       time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
             if tg.devices > 1 and planner != "none" and gpu_budget < CASTS_TRAVEL_BELOW * peak and weight_casts(tg):
-                progress.describe("planning", "tracing again: the weights' casts travel, not the weights")
+                progress.describe("planning", "placing again: the weights' casts travel, not the weights")
                 log.info("budget %s is below %.0f%% of the unplanned peak %s: each weight's autocast cast is made "
                          "on its owner and sent, in place of a replica on every device", format_bytes(gpu_budget),
                          100 * CASTS_TRAVEL_BELOW, format_bytes(peak))
-                tg = trace(model, loss_fn, example_batch, optimizer=optimizer, device=device,
-                           fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type,
-                           accumulation_steps=accumulation_steps, backward=backward, loss_blocks=loss_blocks,
-                           donate=split != "auto", devices=device_count, casts_travel=True)
+                tg = step.finished(casts_travel=True)
                 if split == "auto":
                     traced, tg = tg, donated(tg)
                 costs.annotate(tg)
@@ -435,7 +433,7 @@ def planning_budget(tg, gpu_budget: int) -> int:
 
 
 # On several devices, a per-device budget below this fraction of the unplanned peak (everything kept,
-# weights replicated) traces the step again with the weights' autocast casts made on their owners
+# weights replicated) places the traced step again with the weights' autocast casts made on their owners
 # and sent (trace/data_parallel.py, _weight_casts): no fp32 replica of a weight on every device,
 # more device-to-device traffic. gpt1.3b on four H100s (2026-11-28): at 34% of that peak the casts
 # ran 457 ms against the replicas' 736 (the host link carried 22 GB instead of 41); at 69%, 301

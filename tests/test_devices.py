@@ -330,6 +330,8 @@ def test_weights_cast_for_autocast_are_cast_once_on_their_owner_and_stay_bitwise
     assert weight_casts and all(tg.values[next(iter(v.inputs()))].device == v.device for v in weight_casts)
     cast_weights = [next(iter(v.inputs())) for v in weight_casts]
     assert len(cast_weights) == len(set(cast_weights))  # once, not once per micro-batch
+    produced = {o for v in tg.vertices for o in v.outputs}
+    assert all(v.id in produced for v in tg.values if v.kind.value == "intermediate")  # the casts not made
     replicas = {v.name.split(":", 1)[1] for v in tg.values if v.name.startswith("replica")}
     read_uncast = {tg.values[x].name for v in tg.vertices if v not in weight_casts and v.phase == "forward"
                    for x in v.inputs()}  # the tied embedding's weight: the lookup reads it in fp32
@@ -350,3 +352,18 @@ def test_above_the_threshold_every_device_keeps_a_replica_and_casts_it(autocast_
              and tg.values[next(iter(v.inputs()))].name.startswith("replica1:param:blocks.0.")]
     assert casts and all(v.device == 1 for v in casts)
     assert_matches_eager(mg, autocast_case, 2, "random", seed=5)
+
+
+def test_a_traced_step_is_placed_in_either_layout_without_tracing_again(autocast_case):
+    """TracedStep.finished places a copy: the replicated layout, then the travelling casts, then the
+    replicated one again, the first and the last alike."""
+    from turnip.trace.tracer import trace_step
+
+    model, loss_fn, batches = autocast_case
+    model = copy.deepcopy(model)
+    step = trace_step(model, loss_fn, batches[0], optimizer=adamw(model.parameters()), device="cpu", devices=2)
+    first = step.finished()
+    travelling = step.finished(casts_travel=True)
+    again = step.finished()
+    assert len(travelling.vertices) < len(first.vertices)  # the casts made once, no refreshes
+    assert [(v.op, v.device, v.args) for v in again.vertices] == [(v.op, v.device, v.args) for v in first.vertices]

@@ -49,7 +49,7 @@ import math
 import torch
 from networkx.utils import UnionFind
 
-from ..ir.taskgraph import TaskGraph, TensorRef, ValueKind, Vertex, map_refs
+from ..ir.taskgraph import TaskGraph, TensorRef, ValueKind, Vertex, drop_unproduced, map_refs
 from .accumulate import loss_outputs
 from .errors import UnsupportedFeature
 
@@ -315,7 +315,7 @@ def place_on_devices(tg: TaskGraph, count: int, micro_of: dict[int, int], reduce
                                    device=device)
                     out.bindings[rep] = fresh
                 offset += _numel(val)
-    return _interleaved(out, micro_at, count, ahead_of)
+    return drop_unproduced(_interleaved(out, micro_at, count, ahead_of))  # the results of casts made once
 
 
 def _weight_casts(tg: TaskGraph, trained: set[int], micro_of: dict[int, int]) -> dict[int, int]:

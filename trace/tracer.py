@@ -15,6 +15,7 @@ output sizes only the backend knows at run time (fused RNN kernels).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -432,11 +433,36 @@ def target_device(device) -> torch.device:
     return dev
 
 
-def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
-          device: str | torch.device | None = None, fused_optimizer: bool | None = None,
-          max_grad_norm: float | None = None, norm_type: float = 2.0, accumulation_steps: int = 1,
-          backward: bool = True, loss_blocks: int | None = None, donate: bool = True, devices: int = 1,
-          casts_travel: bool = False) -> TaskGraph:
+@dataclasses.dataclass
+class TracedStep:
+    """A traced step before its last passes and, on several devices, before its vertices are
+    placed on them (trace/data_parallel.py): compile finishes it in a second layout without
+    tracing again."""
+    graph: TaskGraph
+    passes: list
+    placement: tuple | None = None  # place_on_devices' (count, micro_of, reduce_of, params)
+
+    def finished(self, casts_travel: bool = False) -> TaskGraph:
+        """The step's TaskGraph, from a copy (this one can be finished again). casts_travel: the
+        weights' autocast casts run on their owners and travel to the devices, in place of a
+        replica of each weight on every device (data_parallel._weight_casts)."""
+        tg = self.graph.copy()
+        if self.placement is not None:
+            tg = place_on_devices(tg, *self.placement, casts_travel)
+        return run_passes(tg, self.passes)
+
+
+def trace(model: torch.nn.Module, loss_fn, example_batch, **options) -> TaskGraph:
+    """The TaskGraph of one training step: ``trace_step(...).finished()``, whose docstring says
+    what the options mean."""
+    return trace_step(model, loss_fn, example_batch, **options).finished()
+
+
+def trace_step(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim.Optimizer | None = None,
+               device: str | torch.device | None = None, fused_optimizer: bool | None = None,
+               max_grad_norm: float | None = None, norm_type: float = 2.0, accumulation_steps: int = 1,
+               backward: bool = True, loss_blocks: int | None = None, donate: bool = True,
+               devices: int = 1) -> TracedStep:
     """Trace forward, loss, backward and the optimizer update of one training step.
 
     donate: rewrite ops whose input dies there to write over it (trace/donate.py); False leaves
@@ -459,8 +485,6 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     one forward and backward per device, each on its micro-batch like example_batch, the gradients
     added in device order on each parameter's owner and divided by N (DDP's averaging), one update
     per parameter on its owner; outputs "losses" (the N losses) and "loss" (their mean).
-    casts_travel: the weights' autocast casts run on their owners and travel to the devices, in
-    place of a replica of each weight on every device (data_parallel._weight_casts).
 
     max_grad_norm: clip the gradients to this total norm before the update, with the arithmetic of
     ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type)`` (its total norm, then every
@@ -644,9 +668,8 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     if not backward:
         for name, node in zip(marks["outputs"], out_node.args[0], strict=True):
             tg.outputs[name] = reader.dense_value(reader.template(node), phase="forward")
-        tg = run_passes(tg, step_passes(donate=donate))
         log.info("traced %d vertices, %d values (forward only)", len(tg.vertices), len(tg.values))
-        return tg
+        return TracedStep(tg, step_passes(donate=donate))
     loss_node, *grad_nodes = out_node.args[0]
     tg.outputs["loss"] = reader.dense_value(reader.template(loss_node))
     if micros > 1:
@@ -662,15 +685,15 @@ def trace(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.optim
     else:
         append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid,
                           fused=device.type == "cuda" if fused_optimizer is None else fused_optimizer)
+    placement = None
     if devices > 1:
         def spanned(spans):
             return {vid: tag for vid, node in reader.vertex_nodes.items()
                     for start, end, tag in spans if start <= node < end}
-        tg = place_on_devices(tg, devices, spanned(marks["micro"]), spanned(marks["reduce"]),
-                              [input_vid[f"param:{name}"] for name in trainable], casts_travel)
-    tg = run_passes(tg, step_passes(loss_blocks=loss_blocks, donate=donate))
+        placement = (devices, spanned(marks["micro"]), spanned(marks["reduce"]),
+                     [input_vid[f"param:{name}"] for name in trainable])
     log.info("traced %d vertices, %d values", len(tg.vertices), len(tg.values))
-    return tg
+    return TracedStep(tg, step_passes(loss_blocks=loss_blocks, donate=donate), placement)
 
 
 def _check_loss(loss, loss_fn) -> None:
