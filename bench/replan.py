@@ -31,6 +31,7 @@ import torch
 
 from ..engine.timing_sim import idle_by_wait, simulate, transfer_bytes
 from ..ir.budget import format_bytes, parse_budget
+from ..ir.costs import HostLinks
 from ..ir.errors import InfeasibleBudget
 from ..ir.plan import Plan
 from ..ir.step_file import load_step, save_step
@@ -95,15 +96,17 @@ def export(workload: Workload, device: str, out: Path, eager: bool = True, loss_
 
 def offline_costs(facts: dict) -> CostModel:
     """A cost model that measures nothing: the op times are in the step, the link and host rates
-    are the exporting machine's."""
+    are the exporting machine's (facts["host_links"], {"h2d":, "d2h":, "both":} bytes/s, where
+    given: what the host moves over every device's link together)."""
     spec = DeviceSpec(name=facts.get("device_name", "exported"), h2d=facts["h2d_bandwidth"],
                       duplex=facts.get("duplex_bandwidth"), d2d=facts.get("d2d_bandwidth", DeviceSpec.d2d),
-                      d2h=facts["d2h_bandwidth"], host_per_vertex=facts["host_per_vertex"])
+                      d2h=facts["d2h_bandwidth"], host_per_vertex=facts["host_per_vertex"],
+                      host_links=HostLinks(**facts.get("host_links", {})))
     return CostModel(device="cuda", spec=spec, measure=False)
 
 
 def replan(step: Path, budgets: list[str], options: dict, host_update: str = "off",
-           eager_peak: int | None = None) -> list[dict]:
+           eager_peak: int | None = None, host_links: HostLinks | None = None) -> list[dict]:
     """One row per candidate MemGraph per budget (see the module docstring). eager_peak: the bytes
     fractional budgets are of (default: eager's peak allocated, as exported)."""
     tg = load_step(step)
@@ -114,6 +117,8 @@ def replan(step: Path, budgets: list[str], options: dict, host_update: str = "of
         if sibling.exists():
             unsplit = json.loads(sibling.read_text())
             facts.update({k: unsplit.get(k) for k in ("eager_peak_allocated", "eager_step_s")})
+    if host_links is not None:
+        facts["host_links"] = dataclasses.asdict(host_links)
     costs = offline_costs(facts)
     costs.annotate(tg)  # only vertices without a time (none in an exported step) are estimated
     keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=ALIGNMENT, compact=True)
@@ -205,6 +210,9 @@ def main(argv=None) -> int:
                     "eager's peak allocated, measured at export)")
     pl.add_argument("--host-update", default="off", choices=("auto", "off", "all"),
                     help="optimizer updates on the host's cores, as memgraph.compile's host_update")
+    pl.add_argument("--host-links", default=None, metavar="H2D,D2H,BOTH",
+                    help="bytes/s the host moves over every device's link together, each way and both at once "
+                         "('none' for no cap), e.g. 164e9,128e9,190e9 (four H100s of one host)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -222,7 +230,12 @@ def main(argv=None) -> int:
         return 0
     options = planner_options(args.planner_option)
     step = Path(args.step)
-    rows = replan(step, [b for b in args.budgets.split(",") if b], options, args.host_update, args.eager_peak)
+    host_links = None
+    if args.host_links:
+        h2d, d2h, both = (None if x.strip() == "none" else float(x) for x in args.host_links.split(","))
+        host_links = HostLinks(h2d=h2d, d2h=d2h, both=both)
+    rows = replan(step, [b for b in args.budgets.split(",") if b], options, args.host_update, args.eager_peak,
+                  host_links)
     out = Path(args.out) if args.out else step.parent
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"replan_{rows[0]['model'] if rows else step.stem}.json"

@@ -20,7 +20,10 @@ StreamPool / WorkspacePool decides every launch, exactly as
   each direction at its own bandwidth, concurrently, both slowed to the link's
   measured duplex rate while both copy: the cost model's duplex_bandwidth, 89 GB/s
   in all on the H100 against 55 each way alone) or one pool when
-  ``duplex=False``; two h2d streams moving at once each get half the link. All
+  ``duplex=False``; two h2d streams moving at once each get half the link. On
+  several devices, the links together move at most the cost model's
+  ``host_links`` (each direction, and both at once), every busy link slowed
+  alike: four H100s of one host move 190 GB/s in all, not four links' 356. All
   compute streams of a device share one compute pool: a big kernel fills the
   GPU alone, so more compute streams give the loop more choice, not more speed.
 - Launch-ahead (CUDA backend, engine/cuda.py). A compute vertex is reported
@@ -71,7 +74,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..ir.costs import CostModel, FixedRates
+from ..ir.costs import CostModel, FixedRates, HostLinks
 from ..ir.memgraph import Kind, MemGraph, MVertex, Stream
 from ..ir.optimizer import update_elements
 from .dispatch import per_vertex
@@ -311,9 +314,12 @@ class _Sim:
     EPS = 1e-15  # seconds: remaining work below this counts as done (float residue of the sharing)
 
     def __init__(self, mg: MemGraph, sched: Scheduler, durations: list[float], duplex: bool, depth: int,
-                 host: float = 0.0, transfer_depth: int = 0, both_ways: float = 1.0):
+                 host: float = 0.0, transfer_depth: int = 0, both_ways: float = 1.0,
+                 link_rates: tuple[float, float] = (1.0, 1.0), host_links: HostLinks | None = None):
         self.mg, self.s, self.dur, self.depth, self.host = mg, sched, durations, depth, host
         self.both_ways = both_ways  # each direction's rate while the other copies too (both_ways_share)
+        self.rate = {"h2d": link_rates[0], "d2h": link_rates[1]}  # bytes/s of one device's link, each way
+        self.host_links = host_links or HostLinks()
         self.transfer_depth = transfer_depth
         g = sched.g
         self.g = g
@@ -426,13 +432,22 @@ class _Sim:
 
     def _speeds(self, pools: list[tuple[tuple, list[int]]]) -> dict[tuple, float]:
         """Each busy pool's rate as a share of its own: a direction of the link runs at
-        ``both_ways`` of it while the other direction of that device copies too."""
+        ``both_ways`` of it while the other direction of that device copies too, and every device's
+        links together at most what the host moves (``host_links``: each direction, and both)."""
         speed = {pool: 1.0 for pool, _ in pools}
         if self.both_ways < 1.0:
             busy = set(speed)
             for name, dev in busy:
                 if name in ("h2d", "d2h") and ({"h2d": "d2h", "d2h": "h2d"}[name], dev) in busy:
                     speed[(name, dev)] = self.both_ways
+        links = [pool for pool in speed if pool[0] in self.rate]
+        for cap, capped in ((self.host_links.h2d, ("h2d",)), (self.host_links.d2h, ("d2h",)),
+                            (self.host_links.both, ("h2d", "d2h"))):
+            moving = sum(self.rate[pool[0]] * speed[pool] for pool in links if pool[0] in capped)
+            if cap is not None and moving > cap:  # the host's share: every link slowed alike
+                for pool in links:
+                    if pool[0] in capped:
+                        speed[pool] *= cap / moving
         return speed
 
     def run(self) -> None:
@@ -512,7 +527,7 @@ def simulate(mg: MemGraph, costs: Costs = None, jitter: float = 0.0, ordering: s
         durations = (np.asarray(durations) * np.exp(jitter * z - jitter * jitter / 2)).tolist()
     depth = (CUDA_LAUNCH_AHEAD if backend == "cuda" else 0) if launch_ahead is None else int(launch_ahead)
     sim = _Sim(mg, sched, durations, duplex, depth, host, transfer_depth(backend, transfer_ahead),
-               both_ways_share(costs, bandwidth))
+               both_ways_share(costs, bandwidth), link_bandwidths(costs, bandwidth), rates_of(costs).host_links)
     sim.run()
 
     head = graph.head  # units are named by their first vertex

@@ -7,7 +7,7 @@ it, and never imports the planner that measured it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -33,6 +33,9 @@ class CostModel(Protocol):
     @property
     def d2d_bandwidth(self) -> float: ...  # bytes/s of a copy from one device's memory to another's
 
+    @property
+    def host_links(self) -> HostLinks: ...  # what the host moves over every device's link together
+
     def estimate(self, tg: Any, vertex: Any) -> tuple[float, int]:
         """(seconds, workspace bytes) of a TaskGraph vertex that carries no measured time."""
         ...
@@ -40,6 +43,18 @@ class CostModel(Protocol):
     def host_per_vertex_on(self, device: str) -> float:
         """Host seconds per launched vertex of a graph run on ``device``'s backend."""
         ...
+
+
+@dataclass(frozen=True)
+class HostLinks:
+    """Bytes/s the host moves over every device's link together, host to devices, devices to host,
+    and both at once (None: no cap beyond each link's own). Past two GPUs the host, not PCIe, is the
+    limit: four H100s of one host moved 164 GB/s host to devices (41 each), 128 back (32 each) and
+    190 in all with both directions busy; two moved 84, 108 and 162."""
+
+    h2d: float | None = None
+    d2h: float | None = None
+    both: float | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,7 @@ class FixedRates:
     host_update_rate: float = 2.4e9
     host_per_vertex: float = 0.0
     d2d_bandwidth: float = 300e9
+    host_links: HostLinks = field(default_factory=HostLinks)
 
     def estimate(self, tg: Any, vertex: Any) -> tuple[float, int]:
         return 0.0, 0

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..ir.costs import HostLinks
 from ..ir.taskgraph import ScalarRef, TaskGraph, TensorRef, Vertex
 from ..kernels.launch import writes_in_place
 from ..kernels.ops import resolve_op
@@ -58,6 +59,9 @@ class DeviceSpec:
     default_flops: float = 50e12  # dtypes not in the table (integers, synthetic graphs)
     mem_bw: float = 3e12  # HBM bytes/s
     d2d: float = 300e9  # bytes/s from one device's memory to another's (NVLink; 394 measured on H100 NV18 pairs)
+    # what the host moves over every device's link together (ir.costs.HostLinks; not measured yet:
+    # the default caps nothing, an export's facts may set it)
+    host_links: HostLinks = field(default_factory=HostLinks)
     h2d: float = 50e9  # pinned host -> device bytes/s
     d2h: float = 50e9  # device -> pinned host bytes/s
     # bytes/s in all with both directions copying at once; None: each direction at its own rate
@@ -348,6 +352,10 @@ class CostModel:
             cache.bandwidth.update(measured())
             cache.save()
         return cache.bandwidth[key]
+
+    @property
+    def host_links(self) -> HostLinks:
+        return self.spec.host_links
 
     @property
     def d2d_bandwidth(self) -> float:

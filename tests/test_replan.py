@@ -90,3 +90,20 @@ def test_without_a_gpu_a_step_is_priced_as_a_cuda_step(tmp_path):
     assert facts["host_per_vertex"] > 0  # launches cost host time on the CUDA engine
     rows = replan.replan(path, ["0.5"], {})
     assert rows and all(r["simulated_s"] > 0 for r in rows)
+
+
+def test_a_cap_on_what_the_host_moves_slows_a_step_that_moves_bytes(exported, tmp_path):
+    """--host-links caps every link together in the simulator (ir.costs.HostLinks): a step that
+    moves bytes at 40% is slower under a cap of 1 GB/s both ways, and 'none' leaves a cap out."""
+    from turnip.ir.costs import HostLinks
+
+    def picked(rows):
+        return next(r["simulated_s"] for r in rows if r.get("picked"))
+
+    free = replan.replan(exported, ["0.4"], {})
+    capped = replan.replan(exported, ["0.4"], {}, host_links=HostLinks(both=1e9))
+    assert picked(capped) > picked(free)
+    assert replan.main(["plan", "--step", str(exported), "--budgets", "0.4", "--out", str(tmp_path),
+                        "--host-links", "none,none,1e9"]) == 0
+    doc = json.loads((tmp_path / "replan_gpt350m-tiny.json").read_text())
+    assert min(r["simulated_s"] for r in doc["rows"]) == pytest.approx(picked(capped))

@@ -5,6 +5,7 @@ Units: bandwidth 1e9 B/s, so 1e6 bytes take 1 ms; compute times are given in ms.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -150,6 +151,31 @@ def test_both_directions_at_once_run_at_the_links_duplex_rate():
     # the reload did 2 ms of its 4 by then, at 3/4 rate, and the rest alone at its own
     assert ends(res)[0] == pytest.approx(2 / 0.75 + (4 - 2))
     assert simulate(mg, bandwidth={"h2d": BW, "d2h": BW}).step_time == pytest.approx(4 * MS)
+
+
+def test_the_hosts_links_together_move_at_most_what_the_host_moves():
+    """Four devices each reloading at once: each at its own link's rate until the host's cap on
+    every link together binds (HostLinks), then all slowed alike; each direction's cap and the cap
+    on both at once apply, and without caps the devices do not slow one another."""
+    from turnip.ir.costs import HostLinks
+
+    h = Hand()
+    for dev in range(4):
+        for kind, ms in ((Kind.RELOAD, 4), (Kind.OFFLOAD, 2)):
+            mv = h.mg.vertices[h.transfer(kind, ms)]  # moved to device `dev`'s links
+            mv.writes = {v: dataclasses.replace(p, device=dev) if p.where == "gpu" else p for v, p in mv.writes.items()}
+            mv.reads = {v: dataclasses.replace(p, device=dev) if p.where == "gpu" else p for v, p in mv.reads.items()}
+    mg = h.done()
+
+    def step_ms(links):
+        return simulate(mg, FixedRates(h2d_bandwidth=BW, d2h_bandwidth=BW, host_links=links)).step_time / MS
+
+    assert step_ms(HostLinks()) == pytest.approx(4)  # four links, each its own
+    assert step_ms(HostLinks(h2d=2 * BW)) == pytest.approx(8)  # 16 ms of h2d bytes at 2 GB/s
+    # both ways capped at 4 GB/s: every link at half speed until the offloads end (4 ms), then the
+    # reloads' last 2 ms alone at 4 x 1 GB/s, within the cap
+    assert step_ms(HostLinks(both=4 * BW)) == pytest.approx(6)
+    assert step_ms(HostLinks(h2d=8 * BW, d2h=8 * BW, both=8 * BW)) == pytest.approx(4)  # caps that never bind
 
 
 def test_the_floor_with_a_duplex_rate_bounds_what_both_directions_move_together():
