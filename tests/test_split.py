@@ -203,8 +203,8 @@ def test_auto_split_traces_once(monkeypatch):
 
     compile_module = sys.modules["turnip.memgraph.compiler"]
     calls = []
-    real = compile_module.trace
-    monkeypatch.setattr(compile_module, "trace", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    real = compile_module.trace_step
+    monkeypatch.setattr(compile_module, "trace_step", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     cfg = gpt.GPTConfig(vocab=4096, d_model=32, n_layers=1, n_heads=2)
     torch.manual_seed(0)
     model, batch = gpt.GPT(cfg), gpt.example_batch(cfg)
