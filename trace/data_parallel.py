@@ -23,7 +23,9 @@ step equals DDP within float tolerance and this loop bitwise (the CPU backend, v
   there;
 - every other device that reads a weight reads a replica of its own, a persistent value on that
   device, refreshed after the update by a copy from the owner (DDP keeps every weight everywhere
-  too; sharded weights gathered on use are the planner's next option, not built yet);
+  too); with ``casts_travel``, a weight read only through autocast's casts has none: its owner
+  casts it once and the devices receive the cast (`_weight_casts`; compile chooses this below half
+  the unplanned peak, not yet the planner per weight);
 - a buffer the step updates in place (BatchNorm's statistics) is updated by each micro-batch in
   turn, as eager's loop does, moving from device to device;
 - any other vertex runs where its largest input lives, and a value read on another device than its
