@@ -36,7 +36,7 @@ from ..ir.errors import InfeasibleBudget
 from ..ir.plan import Plan
 from ..ir.step_file import load_step, save_step
 from ..memgraph.builder import build, build_walks
-from ..memgraph.compiler import UNBOUNDED, planning_budget, unplanned_peak
+from ..memgraph.compiler import UNBOUNDED, built_on_every_device, planning_budget, unplanned_peak
 from ..memgraph.remake_offloaded import recompute_evicted
 from ..planners.costs import CostModel, DeviceSpec, default_costs
 from ..planners.driver import plan_candidates
@@ -126,20 +126,38 @@ def replan(step: Path, budgets: list[str], options: dict, host_update: str = "of
     eager_peak = eager_peak or facts.get("eager_peak_allocated")
     rows = []
     for text in budgets:
-        budget = _budget(text, eager_peak, peak)
+        rows += _rows_at(tg, facts, costs, text, _budget(text, eager_peak, peak), peak, eager_peak, options,
+                         host_update)
+        best = min((r for r in rows if r["budget"] == text), key=lambda r: r["simulated_s"], default=None)
+        if best is not None:
+            best["picked"] = True  # what compile would take
+    return rows
+
+
+def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_peak: int | None, options: dict,
+             host_update: str) -> list[dict]:
+    """replan's rows at one budget: each candidate compile would plan and build, simulated; on
+    several devices planned again for less where no candidate fits every device, as compile does
+    (built_on_every_device)."""
+    plan_s = [0.0]  # seconds spent planning this budget (every plan made again included)
+
+    def planned(scale: float) -> list[Plan]:
+        """compile's plan_step: on several devices planned as one, each device then held to budget."""
         started = time.perf_counter()
-        if budget >= peak:  # nothing to plan: what compile's keep_everything chooses between
-            plans = [Plan(gpu_budget=budget, planner="none")]
-        else:  # on several devices planned as one (compile's plan_step), each device then held to budget
-            plans = host_update_candidates(tg, plan_candidates(tg, planning_budget(tg, budget), None, costs=costs,
-                                                               alignment=ALIGNMENT, **options), host_update)
-            plans = [dataclasses.replace(plan, gpu_budget=budget) for plan in plans]
-        plan_s = time.perf_counter() - started
+        plans = host_update_candidates(tg, plan_candidates(tg, int(planning_budget(tg, budget) * scale), None,
+                                                           costs=costs, alignment=ALIGNMENT, **options), host_update)
+        plan_s[0] += time.perf_counter() - started
+        return [dataclasses.replace(plan, gpu_budget=budget) for plan in plans]
+
+    def simulated(plans: list[Plan]) -> list[dict]:
+        """A row per walk of each plan that builds; as compile, the builder's refusal where none does."""
+        found, refusals = [], []
         for k, plan in enumerate(plans):
             try:
                 built = list(zip(("ahead", "compact"), build_walks(tg, plan, alignment=ALIGNMENT), strict=False))
             except InfeasibleBudget as exc:  # as compile: on several devices the other candidates stand
                 log.warning("%s#%d does not build: %s", plan.planner, k, exc)
+                refusals.append(exc)
                 continue
             amended = recompute_evicted(tg, plan, built[0][1], costs)  # as compile tries on its pick
             if amended is not None:
@@ -147,20 +165,27 @@ def replan(step: Path, budgets: list[str], options: dict, host_update: str = "of
             for walk, mg in built:
                 sim = simulate(mg, costs, backend="cuda")
                 moved_in, moved_out = transfer_bytes(mg)
-                summary = mg.summary()
-                rows.append({"model": facts.get("model"), "loss_blocks": facts.get("loss_blocks", 1), "budget": text, "budget_bytes": budget,
-                             "unplanned_peak": peak, "eager_peak_allocated": eager_peak,
-                             "eager_step_s": facts.get("eager_step_s"), "candidate": f"{plan.planner}#{k}/{walk}",
-                             "planner_predicted_s": plan.predicted_time, "simulated_s": sim.step_time,
-                             "sim_compute_idle_s": sim.compute_idle, "sim_idle_by_wait_s": idle_by_wait(mg, sim),
-                             "bytes_h2d": moved_in, "bytes_d2h": moved_out,
-                             "recomputed": sum(1 for v in mg.taskgraph.vertices if v.recompute_of >= 0),
-                             "arena_bytes": mg.arena_bytes, "cpu_bytes": mg.cpu_bytes,
-                             "vertices": summary["vertices"], "plan_seconds": plan_s, "options": options})
-        best = min((r for r in rows if r["budget"] == text), key=lambda r: r["simulated_s"], default=None)
-        if best is not None:
-            best["picked"] = True  # what compile would take
-    return rows
+                found.append({
+                    "model": facts.get("model"), "loss_blocks": facts.get("loss_blocks", 1), "budget": text,
+                    "budget_bytes": budget, "unplanned_peak": peak, "eager_peak_allocated": eager_peak,
+                    "eager_step_s": facts.get("eager_step_s"), "candidate": f"{plan.planner}#{k}/{walk}",
+                    "planner_predicted_s": plan.predicted_time, "simulated_s": sim.step_time,
+                    "sim_compute_idle_s": sim.compute_idle, "sim_idle_by_wait_s": idle_by_wait(mg, sim),
+                    "bytes_h2d": moved_in, "bytes_d2h": moved_out,
+                    "recomputed": sum(1 for v in mg.taskgraph.vertices if v.recompute_of >= 0),
+                    "arena_bytes": mg.arena_bytes, "cpu_bytes": mg.cpu_bytes,
+                    "vertices": mg.summary()["vertices"], "plan_seconds": plan_s[0], "options": options})
+        if not found and refusals:
+            raise min(refusals, key=lambda exc: exc.minimum or 0)
+        return found
+
+    try:
+        if budget >= peak:  # nothing to plan: what compile's keep_everything chooses between
+            return simulated([Plan(gpu_budget=budget, planner="none")])
+        return built_on_every_device(planned(1.0), simulated, planned, budget, tg.devices)
+    except InfeasibleBudget as exc:
+        log.warning("budget %s: no plan builds (%s)", text, exc)
+        return []
 
 
 def _budget(text: str, eager_peak: int | None, peak: int) -> int:
