@@ -17,7 +17,7 @@ from ..ir.errors import InfeasibleBudget
 from ..ir.memgraph import MemGraph
 from ..ir.optimizer import CompiledOptimizer
 from ..ir.plan import Plan
-from ..ir.taskgraph import TaskGraph, ValueKind
+from ..ir.taskgraph import TaskGraph
 from ..planners.cache import CachedPlan, PlanCache, plan_key
 from ..planners.costs import default_costs
 from ..planners.driver import check_options, plan_candidates, run_plan, smallest_budget
@@ -184,7 +184,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             cpu_bytes = cpu_limit.bytes(peak) if cpu_limit is not None else None
             log.debug("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
                       time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
-            if tg.devices > 1 and planner != "none" and gpu_budget < CASTS_TRAVEL_BELOW * peak and weight_casts(tg):
+            if tg.devices > 1 and planner != "none" and gpu_budget < CASTS_TRAVEL_BELOW * peak and step.casts_weights():
                 progress.describe("planning", "placing again: the weights' casts travel, not the weights")
                 log.info("budget %s is below %.0f%% of the unplanned peak %s: each weight's autocast cast is made "
                          "on its owner and sent, in place of a replica on every device", format_bytes(gpu_budget),
@@ -434,18 +434,12 @@ def planning_budget(tg, gpu_budget: int) -> int:
 
 # On several devices, a per-device budget below this fraction of the unplanned peak (everything kept,
 # weights replicated) places the traced step again with the weights' autocast casts made on their owners
-# and sent (trace/data_parallel.py, _weight_casts): no fp32 replica of a weight on every device,
+# and sent (trace/data_parallel.py, weight_casts): no fp32 replica of a weight on every device,
 # more device-to-device traffic. gpt1.3b on four H100s (2026-11-28): at 34% of that peak the casts
 # ran 457 ms against the replicas' 736 (the host link carried 22 GB instead of 41); at 69%, 301
 # against 253 (the planner recomputes more). A planner choosing per weight is the goal; this
 # threshold stands between the two measured points until then.
 CASTS_TRAVEL_BELOW = 0.5
-
-
-def weight_casts(tg) -> bool:
-    """Whether the step casts trained weights in its forward (autocast): what casts_travel moves."""
-    return any(v.op == "aten::_to_copy" and v.phase == "forward" and set(v.kwargs) == {"dtype"}
-               and any(tg.values[x].kind is ValueKind.PARAMETER for x in v.inputs()) for v in tg.vertices)
 
 
 MULTI_DEVICE_PLANS = 4  # plans built_on_every_device tries before it gives the builder's refusal

@@ -362,8 +362,19 @@ def test_a_traced_step_is_placed_in_either_layout_without_tracing_again(autocast
     model, loss_fn, batches = autocast_case
     model = copy.deepcopy(model)
     step = trace_step(model, loss_fn, batches[0], optimizer=adamw(model.parameters()), device="cpu", devices=2)
+    assert step.casts_weights()
     first = step.finished()
     travelling = step.finished(casts_travel=True)
     again = step.finished()
     assert len(travelling.vertices) < len(first.vertices)  # the casts made once, no refreshes
     assert [(v.op, v.device, v.args) for v in again.vertices] == [(v.op, v.device, v.args) for v in first.vertices]
+
+
+def test_a_step_without_autocast_casts_no_weights(gpt_case):
+    """In fp32 nothing casts a weight: compile has no casts to send, whatever the budget."""
+    from turnip.trace.tracer import trace_step
+
+    model, loss_fn, batches = gpt_case
+    model = copy.deepcopy(model)
+    assert not trace_step(model, loss_fn, batches[0], optimizer=adamw(model.parameters()), device="cpu",
+                          devices=2).casts_weights()

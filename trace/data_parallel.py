@@ -24,7 +24,7 @@ step equals DDP within float tolerance and this loop bitwise (the CPU backend, v
 - every other device that reads a weight reads a replica of its own, a persistent value on that
   device, refreshed after the update by a copy from the owner (DDP keeps every weight everywhere
   too); with ``casts_travel``, a weight read only through autocast's casts has none: its owner
-  casts it once and the devices receive the cast (`_weight_casts`; compile chooses this below half
+  casts it once and the devices receive the cast (`weight_casts`; compile chooses this below half
   the unplanned peak, not yet the planner per weight);
 - a buffer the step updates in place (BatchNorm's statistics) is updated by each micro-batch in
   turn, as eager's loop does, moving from device to device;
@@ -180,11 +180,9 @@ def place_on_devices(tg: TaskGraph, count: int, micro_of: dict[int, int], reduce
     """The TaskGraph of one device's step with every vertex and value on one of `count` devices.
     micro_of: vertex -> the micro-batch (device) whose forward or backward made it; reduce_of:
     vertex -> index into `params` of the parameter whose gradient sum it is part of. casts_travel:
-    the weights' dtype casts run on their owners and travel (`_weight_casts`)."""
+    the weights' dtype casts run on their owners and travel (`weight_casts`)."""
     owner = owners(tg, params, count)
-    produced_by_update = {new for new in tg.bindings.values()
-                          if tg.values[new].producer >= 0 and tg.vertices[tg.values[new].producer].phase == "optimizer"}
-    trained = {old for old, new in tg.bindings.items() if new in produced_by_update and tg.values[old].kind is ValueKind.PARAMETER}
+    trained = trained_weights(tg)
     mutated = set(tg.bindings) - trained  # optimizer states, BatchNorm statistics, the step counter
 
     # -- devices of inputs and vertices --------------------------------------------------------------
@@ -196,7 +194,7 @@ def place_on_devices(tg: TaskGraph, count: int, micro_of: dict[int, int], reduce
         if val.kind.is_persistent:
             val.device = owner.get(val.id, 0)
     replicated = {v.id for v in tg.values if v.kind.is_persistent and v.id not in mutated}
-    cast_of = _weight_casts(tg, trained, micro_of) if casts_travel else {}
+    cast_of = weight_casts(tg, trained, micro_of) if casts_travel else {}
     for vertex in tg.vertices:
         if vertex.id in cast_of:
             vertex.device = owner[cast_of[vertex.id]]
@@ -320,7 +318,14 @@ def place_on_devices(tg: TaskGraph, count: int, micro_of: dict[int, int], reduce
     return drop_unproduced(_interleaved(out, micro_at, count, ahead_of))  # the results of casts made once
 
 
-def _weight_casts(tg: TaskGraph, trained: set[int], micro_of: dict[int, int]) -> dict[int, int]:
+def trained_weights(tg: TaskGraph) -> set[int]:
+    """The parameters the step's optimizer updates (bound to a value an optimizer vertex makes)."""
+    produced_by_update = {new for new in tg.bindings.values()
+                          if tg.values[new].producer >= 0 and tg.vertices[tg.values[new].producer].phase == "optimizer"}
+    return {old for old, new in tg.bindings.items() if new in produced_by_update and tg.values[old].kind is ValueKind.PARAMETER}
+
+
+def weight_casts(tg: TaskGraph, trained: set[int], micro_of: dict[int, int]) -> dict[int, int]:
     """The forward's dtype casts of trained weights (autocast's bf16 copy of a Linear's weight, read
     by its matmul and saved for the backward): cast vertex -> the weight. They run on the weight's
     owner, once for all micro-batches, and the other devices receive the cast (half an fp32

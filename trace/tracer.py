@@ -54,7 +54,14 @@ from ..kernels.ops import (
 )
 from .accumulate import accumulate, check_steps, loss_outputs, micro_prefix, split
 from .constant_checks import eager_answers
-from .data_parallel import averaged_gradients, check_devices, mean_loss, place_on_devices
+from .data_parallel import (
+    averaged_gradients,
+    check_devices,
+    mean_loss,
+    place_on_devices,
+    trained_weights,
+    weight_casts,
+)
 from .errors import UnsupportedFeature, UnsupportedOp
 from .optimizer_update import append_optimizer, clipped_gradients, spec_from_optimizer
 from .origins import (
@@ -442,10 +449,16 @@ class TracedStep:
     passes: list
     placement: tuple | None = None  # place_on_devices' (count, micro_of, reduce_of, params)
 
+    def casts_weights(self) -> bool:
+        """Whether the step, on several devices, casts trained weights in its forward (autocast):
+        what finished(casts_travel=True) makes on the owners and sends."""
+        return self.placement is not None and bool(
+            weight_casts(self.graph, trained_weights(self.graph), self.placement[1]))
+
     def finished(self, casts_travel: bool = False) -> TaskGraph:
         """The step's TaskGraph, from a copy (this one can be finished again). casts_travel: the
         weights' autocast casts run on their owners and travel to the devices, in place of a
-        replica of each weight on every device (data_parallel._weight_casts)."""
+        replica of each weight on every device (data_parallel.weight_casts)."""
         tg = self.graph.copy()
         if self.placement is not None:
             tg = place_on_devices(tg, *self.placement, casts_travel)
