@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m turnip.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["suite", "ablation", "plots", "table", "soak"])
-    parser.add_argument("--models", help="comma-separated: gpt350m, gpt1.3b, lora1.3b, llama, lora7b")
+    parser.add_argument("--models", help="comma-separated: gpt350m, gpt1.3b, lora1.3b, llama, lora7b, mixtral")
     parser.add_argument("--budgets", help="comma-separated turnip budgets: fractions of eager's measured peak GPU "
                         "memory (0.6) or sizes (16GiB, 8GiB), mixed as you like")
     parser.add_argument("--steps", type=int, help="timed steps per system (after --warmup); ablation: repeats")

@@ -104,12 +104,14 @@ def _grouped_mm_strides_ok(mat: torch.Tensor) -> None:
 
 def grouped_mm_layout(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
                       bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
-    """(size, stride, dtype) of the result of aten::_grouped_mm as its CPU kernel makes it, after its
+    """(size, stride, dtype) of the result of aten::_grouped_mm as its kernels make it, after their
     checks (ATen's GroupedMMUtils.h: _grouped_mm_validate_inputs, _resolve_grouped_mm_out_dtype,
-    create_grouped_gemm_output_tensor, then mm_out per group, which needs one dtype). Torch's meta
-    kernel is the CUDA fast path's: it refuses every dtype but bfloat16 and, on a CPU-only build,
-    does not pad the strides as the kernel does; the CPU kernel takes float32, bfloat16 and float16
-    and reads the group offsets on the host, but its result's shape never depends on them."""
+    create_grouped_gemm_output_tensor, then mm_out per group, which needs one dtype); the CPU kernel
+    and CUDA's (its bfloat16 fast path and its per-group fallback for the other dtypes) share these
+    helpers. Torch's meta kernel is the CUDA fast path's: it refuses every dtype but bfloat16 and,
+    on a CPU-only build, does not pad the strides as the kernels do. The kernels take float32,
+    bfloat16 and float16; the CPU's reads the group offsets on the host, but the result's shape
+    never depends on them."""
     for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
         if mat.dtype not in (torch.bfloat16, torch.float32, torch.float16):
             kind = str(mat.dtype).removeprefix("torch.").capitalize()
@@ -153,6 +155,6 @@ def grouped_mm_layout(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tens
     return size, stride, dtype
 
 
-# Ops whose fake (meta) kernel refuses inputs or gives a layout that the CPU kernel eager runs does
-# not: op -> the layout function the trace uses instead on CPU tensors (trace/tracer.py).
-CPU_LAYOUTS = {"aten::_grouped_mm": grouped_mm_layout}
+# Ops whose fake (meta) kernel refuses inputs or gives a layout that the kernels eager runs do not:
+# op -> the layout function the trace uses instead (trace/tracer.py).
+KERNEL_LAYOUTS = {"aten::_grouped_mm": grouped_mm_layout}

@@ -105,7 +105,7 @@ def test_systems_shorthands():
     assert expand_systems(["all"]) == list(ALL_SYSTEMS) and ALL_SYSTEMS[0] == "eager"
     assert expand_systems(["peers", "turnip"]) == ["eager", "turnip", *(p for p in PEERS if p != "eager")]
     assert "offload" not in expand_systems(["all"]) and "offload" in expand_systems(["torch"])
-    assert expand_systems(["torch", "checkpoint", "torchao"]) == ["eager", "checkpoint", "offload",
+    assert expand_systems(["torch", "checkpoint", "torchao"]) == ["eager", "eager_fused", "checkpoint", "offload",
                                                                   "checkpoint_offload", "torchao"]
     assert expand_systems(["offloading"])[0] == "deepspeed_zero2"
     with pytest.raises(ValueError, match="unknown system 'deepspeed'"):

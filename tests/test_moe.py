@@ -177,9 +177,8 @@ CALLS = {  # (mat_a, mat_b, offs, kwargs): accepted and refused as the CPU kerne
 }
 
 
-@pytest.mark.parametrize("name", list(CALLS))
-def test_grouped_mm_layout_is_the_cpu_kernels(name):
-    mat_a, mat_b, offs, kwargs = CALLS[name]
+def check_layout(name: str, device: str) -> None:
+    mat_a, mat_b, offs, kwargs = (x.to(device) if isinstance(x, torch.Tensor) else x for x in CALLS[name])
     try:
         real = torch._grouped_mm(mat_a, mat_b, offs=offs, **kwargs)
     except RuntimeError as err:
@@ -190,8 +189,74 @@ def test_grouped_mm_layout_is_the_cpu_kernels(name):
         layout = grouped_mm_layout(mat_a, mat_b, offs, **kwargs)
     except KernelRefusal as err:
         assert eager_error is not None, f"eager accepts what the layout refuses: {err}"
-        if name not in ("mixed dtypes", "float64"):  # eager names dtypes as C++ does (Double, c10::BFloat16)
+        if device == "cpu" and name not in ("mixed dtypes", "float64"):  # eager names dtypes as C++ does
             assert str(err) == eager_error.split("\n")[0]
         return
     assert eager_error is None, f"the layout accepts what eager refuses: {eager_error}"
     assert layout == (list(real.shape), list(real.stride()), real.dtype)
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_grouped_mm_layout_is_the_cpu_kernels(name):
+    check_layout(name, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(CALLS))
+def test_grouped_mm_layout_is_the_cuda_kernels(name):
+    """The trace takes the same layout on CUDA: the bfloat16 fast path and the fallback for the
+    other dtypes make their result with the CPU kernel's helpers."""
+    check_layout(name, "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_grouped_mm_experts_train_on_cuda_as_eager_does(dtype):
+    """On CUDA, float32 experts run CUDA's per-group fallback, which the meta kernel (bfloat16
+    only) would refuse; the step matches eager on CUDA within CUDA's tolerance, and eager's own
+    run-to-run spread on the same step is measured beside it."""
+    model = tiny_moe("mixtral", None).to(dtype)
+    runs = []
+    for _ in range(2):
+        eager = copy.deepcopy(model).cuda()
+        opt = make_opt(eager.parameters())
+        for batch in BATCHES:
+            opt.zero_grad()
+            loss_fn(eager, batch.cuda()).backward()
+            opt.step()
+        runs.append({k: v.cpu() for k, v in eager.state_dict().items()})
+    spread = max_difference(runs[1], runs[0])
+    compiled = copy.deepcopy(model)
+    mg = memgraph.compile(compiled, loss_fn, BATCHES[0].cuda(), optimizer=make_opt(compiled.parameters()),
+                          device="cuda", verbose=False, cache=False)
+    assert "aten::_grouped_mm" in {v.op for v in mg.taskgraph.vertices}
+    for batch in BATCHES:
+        engine.run(mg, batch.cuda())
+    got = {k: v.cpu() for k, v in mg.state_dict().items()}
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert max_difference(got, runs[0]) <= max(tolerance, spread), (max_difference(got, runs[0]), spread)
+
+
+def test_the_bench_mixtral_workload_trains_bitwise_under_autocast_at_half_its_peak():
+    """The bench's Mixtral (its tiny form: default experts, bf16 autocast, AdamW) at a budget that
+    makes the planner evict, as `python -m turnip.bench suite --models mixtral` runs it."""
+    from turnip.bench.models.sizes import make_workload
+
+    workload = make_workload("mixtral", tiny=True)
+    assert workload.info["experts_implementation"] == "grouped_mm"
+    eager_model = copy.deepcopy(workload.model)
+    opt = workload.optimizer(eager_model.parameters())
+    want_losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = workload.loss_fn(eager_model, workload.batch)
+        loss.backward()
+        opt.step()
+        want_losses.append(loss.detach())
+    model = copy.deepcopy(workload.model)
+    mg = memgraph.compile(model, workload.loss_fn, workload.batch, optimizer=workload.optimizer(model.parameters()),
+                          device="cpu", budget=0.5, verbose=False, cache=False)
+    assert mg.summary()["bytes_offloaded"] > 0 or mg.plan.recompute, "the budget should make the plan evict"
+    losses = [engine.run(mg, workload.batch)["loss"] for _ in range(2)]
+    assert all(torch.equal(g, w) for g, w in zip(losses, want_losses, strict=True)), (losses, want_losses)
+    assert max_difference(mg.state_dict(), eager_model.state_dict()) == 0.0

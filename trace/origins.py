@@ -6,7 +6,7 @@ standard library), and the autograd nodes it makes carry the same mark into the 
 a call mixing floating-point dtypes is first put to eager (``_eager_refusal``). ``data_dependent_refusal``
 turns torch's data-dependent errors into an UnsupportedOp at the same place (in a Hugging Face
 experts module, naming the experts implementations that compile), ``kernel_refusal`` the inputs an
-op's CPU kernel refuses (kernels/ops.py CPU_LAYOUTS). make_fx records none of
+op's kernels refuse (kernels/ops.py KERNEL_LAYOUTS). make_fx records none of
 this: its ``stack_trace`` keeps only frames of functions named "forward".
 """
 

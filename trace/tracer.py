@@ -42,8 +42,8 @@ from ..ir.taskgraph import (
     normalized_positions,
 )
 from ..kernels.ops import (
-    CPU_LAYOUTS,
     HIDDEN_MUTATIONS,
+    KERNEL_LAYOUTS,
     RUNTIME_SIZED,
     KernelRefusal,
     flatten_returns,
@@ -208,12 +208,9 @@ class _GradientGuard(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _fake_by_layout(name, layout, previous, fake_mode, func, *args, **kwargs):
-    """The fake result of op `name` on CPU tensors as the CPU kernel makes it (kernels/ops.py
-    CPU_LAYOUTS); other devices keep torch's own fake kernel (NotImplemented: the meta kernel)."""
+def _fake_by_layout(name, layout, fake_mode, func, *args, **kwargs):
+    """The fake result of op `name` as its kernels make it (kernels/ops.py KERNEL_LAYOUTS)."""
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if any(t.device.type != "cpu" for t in tensors):
-        return previous(fake_mode, func, *args, **kwargs) if previous is not None else NotImplemented
     try:
         size, stride, dtype = layout(*args, **kwargs)
     except KernelRefusal as err:
@@ -224,17 +221,17 @@ def _fake_by_layout(name, layout, previous, fake_mode, func, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def _cpu_layouts():
-    """While tracing, the ops of CPU_LAYOUTS take their CPU kernel's checks and result layout on
-    CPU fake tensors instead of their meta kernel's (for aten::_grouped_mm, the meta kernel is the
-    CUDA fast path's and refuses float32, which the CPU kernel runs: Hugging Face's default experts
+def _kernel_layouts():
+    """While tracing, the ops of KERNEL_LAYOUTS take their kernels' checks and result layout instead
+    of their meta kernel's (for aten::_grouped_mm, the meta kernel is the CUDA fast path's and
+    refuses float32, which the CPU kernel and CUDA's fallback run: Hugging Face's default experts
     implementation of Mixtral or Qwen2-MoE calls it on float32 models)."""
     table = fake_impls.op_implementations_dict
     saved = {}
-    for name, layout in CPU_LAYOUTS.items():
+    for name, layout in KERNEL_LAYOUTS.items():
         op = resolve_op(name)
         saved[op] = table.get(op)
-        table[op] = functools.partial(_fake_by_layout, name, layout, saved[op])
+        table[op] = functools.partial(_fake_by_layout, name, layout)
     try:
         yield
     finally:
@@ -620,7 +617,7 @@ def trace_step(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.
     try:
         # library checks of batch-independent values, and the layouts of ops whose meta kernel is not
         # the CPU kernel's, answered as eager answers them
-        with eager_answers(), _cpu_layouts():
+        with eager_answers(), _kernel_layouts():
             gm = make_fx(step, tracing_mode="fake")(fake_train, fake_frozen, fake_buffers, fake_leaves)
     except DATA_DEPENDENT as err:
         raise data_dependent_refusal(err, origins) from err

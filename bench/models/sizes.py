@@ -1,4 +1,5 @@
-"""The benchmark's workloads by name: GPT-style models at ~350M and ~1.3B parameters, a LoRA 1.3B, Llama.
+"""The benchmark's workloads by name: GPT-style models at ~350M and ~1.3B parameters, a LoRA 1.3B, Llama,
+a LoRA Llama-2-7B and a ~0.93B Mixtral.
 
     workload = make_workload("gpt1.3b")             # canonical CPU model + bf16-autocast loss + batch + AdamW
     workload = make_workload("gpt1.3b", tiny=True)   # same shape of workload, CPU-sized (CI, --tiny)
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from ...gpt import GPT, GPTConfig, example_batch
 from ..peers.common import OptimizerSpec, Workload, parameter_count
 from .llama import llama_workload, lora_workload
+from .mixtral import mixtral_workload
 
 VOCAB, SEQ = 50304, 1024
 GPT_SIZES = {
@@ -67,4 +69,6 @@ def make_workload(name: str, tiny: bool = False, batch: int | None = None, seed:
         return llama_workload(tiny=tiny, batch=batch, seed=seed)
     if name == "lora7b":
         return lora_workload(tiny=tiny, batch=batch, seed=seed)
+    if name == "mixtral":
+        return mixtral_workload(tiny=tiny, batch=batch, seed=seed)
     return gpt_workload(name, tiny=tiny, batch=batch, seed=seed)

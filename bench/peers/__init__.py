@@ -1,6 +1,7 @@
 """The systems the benchmark compares turnip with, each ``run(workload, device, steps, **kw) -> PeerResult``.
 
 eager                  plain PyTorch: the reference (no memory knob)
+eager_fused            the same with the optimizer's fused kernel (AdamW(fused=True)): eager's fastest
 checkpoint             torch.utils.checkpoint around every transformer block (use_reentrant=False)
 offload                torch.autograd.graph.save_on_cpu(pin_memory=True) around the forward
 checkpoint_offload     both: one activation per block, kept on the CPU
@@ -29,6 +30,7 @@ from . import (
 
 PEERS = {
     "eager": eager.run,
+    "eager_fused": eager.run_fused,
     "checkpoint": checkpoint.run,
     "offload": offload.run,
     "checkpoint_offload": offload.run_checkpoint_offload,
@@ -40,7 +42,7 @@ PEERS = {
     "torchao_offload_grads": torchao_offload.run_offload_gradients,
     "torchtune": torchtune_offload.run,
 }
-TORCH_PEERS = ("eager", "checkpoint", "offload", "checkpoint_offload")  # torch only: run anywhere
+TORCH_PEERS = ("eager", "eager_fused", "checkpoint", "offload", "checkpoint_offload")  # torch only: run anywhere
 CUDA_PEERS = tuple(name for name in PEERS if name not in TORCH_PEERS)  # a package of their own, and CUDA
 
 __all__ = ["CUDA_PEERS", "PEERS", "TORCH_PEERS"]
