@@ -52,7 +52,7 @@ KNOWN_SYSTEMS = (*PEERS, "turnip")
 # deepspeed_zero3_infinity is run by name: it is the 7B LoRA's peer (ZeRO-Infinity's CPU tier with eager's
 # math), and the gpt1.3b and llama commands with every peer already take 432-524 s of their 530
 BY_NAME_ONLY = ("deepspeed_zero3_infinity",)
-ALL_SYSTEMS = ("eager", "eager_fused", "turnip", "checkpoint", *(p for p in CUDA_PEERS if p not in BY_NAME_ONLY))
+ALL_SYSTEMS = ("eager", "turnip", "eager_fused", "checkpoint", *(p for p in CUDA_PEERS if p not in BY_NAME_ONLY))
 DEFAULT_SYSTEMS = ALL_SYSTEMS
 TINY_SYSTEMS = ("eager", "checkpoint", "offload", "checkpoint_offload", "turnip")
 SHORTHANDS = {  # --systems all / peers / torch / offloading, alone or mixed with names
