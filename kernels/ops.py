@@ -155,6 +155,15 @@ def grouped_mm_layout(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tens
     return size, stride, dtype
 
 
+def reads_on_host(name: str, dtypes: list[torch.dtype], device_type: str) -> bool:
+    """Whether the op's kernel copies a device tensor to the host, which no CUDA graph can capture:
+    CUDA's aten::_grouped_mm outside its bfloat16 fast path runs one mm per group, reading the
+    group offsets on the host (Hugging Face's default experts under autocast keep float32 weights
+    and cast the tokens to them, so a Mixtral takes that path)."""
+    return device_type == "cuda" and name == "aten::_grouped_mm" and \
+        any(d.is_floating_point and d != torch.bfloat16 for d in dtypes)
+
+
 # Ops whose fake (meta) kernel refuses inputs or gives a layout that the kernels eager runs do not:
 # op -> the layout function the trace uses instead (trace/tracer.py).
 KERNEL_LAYOUTS = {"aten::_grouped_mm": grouped_mm_layout}

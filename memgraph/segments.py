@@ -24,12 +24,17 @@ path, or a transfer from another device placed before the first member, which no
 member reaches (edges point forward in the serial order). And it costs the runtime little choice: offloads still start the moment their compute is done, compute
 that waits for a reload is never held back by one it does not need.
 
-Random vertices stay alone (their generator state is set per launch, which a capture would freeze).
+Random vertices stay alone (their generator state is set per launch, which a capture would freeze),
+and so do kernels that read a device tensor on the host (kernels/ops.py reads_on_host), which no
+capture can hold.
 """
 
 from __future__ import annotations
 
+import torch
+
 from ..ir.memgraph import Edge, Kind, MemGraph, Stream
+from ..kernels.ops import reads_on_host
 
 # A member may send a result to another device (a gradient to its owner) before its segment ends: the
 # copy then starts when the segment has run, at most this long (or this many vertices, where ops carry
@@ -47,7 +52,8 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
         raise ValueError(f"segment size must be at least 1 (1 launches every vertex alone), got {max_size}")
     if max_size == 1:
         return []
-    vertices, tasks = mg.vertices, mg.taskgraph.vertices
+    vertices, tasks, values = mg.vertices, mg.taskgraph.vertices, mg.taskgraph.values
+    device_type = torch.device(mg.taskgraph.device).type
     # the host's updates (Stream.HOST) are not kernels: outside every segment, like transfers
     compute = [mv.kind is Kind.COMPUTE and mv.stream is Stream.COMPUTE for mv in vertices]
     position = {vid: k for k, vid in enumerate(mg.serial)}
@@ -98,7 +104,8 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
             continue
         key = lane(vid)
         run = runs.setdefault(key, [])
-        alone = tasks[vertices[vid].task_vertex].random
+        task = tasks[vertices[vid].task_vertex]
+        alone = task.random or reads_on_host(task.op, [values[ref.value].dtype for ref in task.refs()], device_type)
         if run and (alone or enters_from_outside[vid] or received_at[vid] > position[run[0]]
                     or not joins_receiving(vid, key) or (max_size is not None and len(run) >= max_size)):
             close(key)

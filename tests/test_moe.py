@@ -260,3 +260,23 @@ def test_the_bench_mixtral_workload_trains_bitwise_under_autocast_at_half_its_pe
     losses = [engine.run(mg, workload.batch)["loss"] for _ in range(2)]
     assert all(torch.equal(g, w) for g, w in zip(losses, want_losses, strict=True)), (losses, want_losses)
     assert max_difference(mg.state_dict(), eager_model.state_dict()) == 0.0
+
+
+def test_grouped_mm_reading_offsets_on_the_host_stays_out_of_cuda_graph_segments():
+    """CUDA's float32 grouped mm copies the group offsets to the host, which no CUDA graph can
+    capture: on a CUDA step such a vertex is left out of every segment (the rest is captured);
+    on the CPU, where no graph is captured, and in bfloat16 (CUDA's fast path) it joins."""
+    import dataclasses
+
+    from turnip.memgraph.segments import find_segments
+
+    def grouped_in_segments(mg, device):
+        on = dataclasses.replace(mg, taskgraph=dataclasses.replace(mg.taskgraph, device=device))
+        tasks = on.taskgraph.vertices
+        return sum(tasks[on.vertices[v].task_vertex].op == "aten::_grouped_mm" for s in find_segments(on) for v in s)
+
+    fp32, _, _ = compiled_steps(tiny_moe("mixtral", None))
+    assert grouped_in_segments(fp32, "cpu") == 6
+    assert grouped_in_segments(fp32, "cuda") == 0
+    bf16, _, _ = compiled_steps(tiny_moe("mixtral", None).to(torch.bfloat16))
+    assert grouped_in_segments(bf16, "cuda") == 6

@@ -18,6 +18,7 @@ import os
 import sys
 import sysconfig
 import traceback
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -310,14 +311,16 @@ def _failed_at(err: Exception, origins: Origins) -> tuple[str | None, SourceLine
 
 def _experts_module(model: torch.nn.Module, path: str | None) -> torch.nn.Module | None:
     """The Hugging Face experts module at `path` or above it (a class decorated by transformers'
-    use_experts_implementation: it reads config._experts_implementation at each call), else None."""
+    use_experts_implementation, whose forward, defined in transformers/integrations/moe.py whatever
+    the version, reads config._experts_implementation at each call), else None."""
     while path is not None:
         try:
             module = model.get_submodule(path)
         except AttributeError:
             return None
-        config = getattr(module, "config", None)
-        if hasattr(module, "_is_expert_parallel") and getattr(config, "_experts_implementation", None):
+        code = getattr(getattr(type(module), "forward", None), "__code__", None)
+        decorated = code is not None and Path(code.co_filename).parts[-3:] == ("transformers", "integrations", "moe.py")
+        if decorated and getattr(getattr(module, "config", None), "_experts_implementation", None):
             return module
         path = path.rpartition(".")[0] if path else None
     return None
