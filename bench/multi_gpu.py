@@ -101,7 +101,7 @@ def run_turnip(workload: Workload, device_type: str, devices: int, budget: float
         result.extra["timeline"] = str(timeline)
     mg.release(keep=False)
     try:
-        costs = CostModel(device=device_type)
+        costs = CostModel(device=device_type, devices=mg.taskgraph.devices)
         if any(v.time <= 0 for v in mg.taskgraph.vertices):
             costs.annotate(mg.taskgraph)
         result.extra["sim_step_s"] = simulate(mg, costs, backend="cuda").step_time

@@ -82,6 +82,7 @@ def export(workload: Workload, device: str, out: Path, eager: bool = True, loss_
              "h2d_bandwidth": costs.h2d_bandwidth, "d2h_bandwidth": costs.d2h_bandwidth,
              "duplex_bandwidth": costs.duplex_bandwidth, "d2d_bandwidth": costs.d2d_bandwidth, "devices": devices,
              "host_per_vertex": costs.host_per_vertex_on(tg.device), "vertices": len(tg.vertices),
+             "host_links": dataclasses.asdict(costs.host_links),
              "export_seconds": None}
     if eager:  # the suite's budgets are fractions of eager's measured peak: keep it beside the step
         result = resolve("eager")(workload, device, 3, warmup=1)

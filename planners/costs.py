@@ -59,8 +59,8 @@ class DeviceSpec:
     default_flops: float = 50e12  # dtypes not in the table (integers, synthetic graphs)
     mem_bw: float = 3e12  # HBM bytes/s
     d2d: float = 300e9  # bytes/s from one device's memory to another's (NVLink; 394 measured on H100 NV18 pairs)
-    # what the host moves over every device's link together (ir.costs.HostLinks; not measured yet:
-    # the default caps nothing, an export's facts may set it)
+    # what the host moves over every device's link together (ir.costs.HostLinks): a CostModel of a
+    # step over several CUDA devices measures it; the analytic default caps nothing
     host_links: HostLinks = field(default_factory=HostLinks)
     h2d: float = 50e9  # pinned host -> device bytes/s
     d2h: float = 50e9  # device -> pinned host bytes/s
@@ -275,11 +275,13 @@ class CostModel:
     measure: None = measure when the target device is CUDA and present, else analytic.
     host_per_vertex: host seconds the engine spends per launched MemGraph vertex; None = the
     spec's figure on CUDA, 0 on the CPU backend (see host_per_vertex_on).
+    devices: how many devices the step runs on (compile's ``devices``); the host's links are
+    measured over that many (``host_links``).
     """
 
     def __init__(self, device: str | None = None, spec: DeviceSpec | None = None, measure: bool | None = None,
                  cache_dir: str | Path | None = None, runs: int = 7, warmup: int = 2,
-                 host_per_vertex: float | None = None):
+                 host_per_vertex: float | None = None, devices: int = 1):
         import torch
 
         if host_per_vertex is not None and not (host_per_vertex >= 0 and math.isfinite(host_per_vertex)):
@@ -296,6 +298,7 @@ class CostModel:
         self.measured = 0  # ops measured by this model (tests check the cache answers instead)
         self.cache_hits = 0
         self._reserve: int | None = None
+        self.devices = devices  # the step's device count: host_links is measured over that many links
 
     # the cache is opened lazily: an analytic model never touches the disk
     @property
@@ -355,7 +358,20 @@ class CostModel:
 
     @property
     def host_links(self) -> HostLinks:
-        return self.spec.host_links
+        """What the host moves over the step's device links together: measured (cached by device
+        count) on CUDA for a step over several present devices, else the spec's."""
+        if not self._measures_device or self.devices < 2 or torch.cuda.device_count() < self.devices:
+            return self.spec.host_links
+        keys = {way: f"host_{way}_x{self.devices}" for way in ("h2d", "d2h", "both")}
+        measured = {}
+
+        def measure_once() -> dict[str, float]:
+            if not measured:
+                rates = measure.measure_host_links([f"cuda:{k}" for k in range(self.devices)])
+                measured.update({keys[way]: rate for way, rate in rates.items()})
+            return measured
+
+        return HostLinks(**{way: self._cached_rate(key, measure_once) for way, key in keys.items()})
 
     @property
     def d2d_bandwidth(self) -> float:
@@ -449,4 +465,4 @@ class CostModel:
 
 def default_costs(tg: TaskGraph) -> CostModel:
     """Measured on the graph's device when it is a present CUDA device, analytic otherwise."""
-    return CostModel(device=tg.device)
+    return CostModel(device=tg.device, devices=tg.devices)

@@ -252,6 +252,43 @@ def measure_duplex(device: str, nbytes: int = 64 << 20, copies: int = 16, runs: 
     return rate
 
 
+def measure_host_links(devices: list[str], nbytes: int = 64 << 20, copies: int = 8, runs: int = 3) -> dict[str, float]:
+    """Bytes/s the host moves over the links of ``devices`` together, pinned copies running on every
+    device at once: host to devices, devices to host, and both directions at once ("h2d", "d2h",
+    "both"). Past two GPUs the host, not each PCIe link, is the limit (bench/pinned_memory.py: four
+    H100s moved 164, 128 and 190 GB/s; two 84, 108 and 162)."""
+    import itertools
+
+    devs = [torch.device(d) for d in devices]
+    ways = {"h2d": ("h2d",), "d2h": ("d2h",), "both": ("h2d", "d2h")}
+    buffers = {(dev, way): (torch.empty(nbytes, dtype=torch.uint8, device=dev),
+                            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+               for dev, way in itertools.product(devs, ("h2d", "d2h"))}
+    streams = {key: torch.cuda.Stream(key[0]) for key in buffers}
+
+    def copy_all(directions: tuple[str, ...]) -> float:
+        for dev in devs:
+            torch.cuda.synchronize(dev)
+        started = time.perf_counter()
+        for dev, way in itertools.product(devs, directions):
+            gpu, host = buffers[dev, way]
+            dst, src = (gpu, host) if way == "h2d" else (host, gpu)
+            with torch.cuda.stream(streams[dev, way]):
+                for _ in range(copies):
+                    dst.copy_(src, non_blocking=True)
+        for dev in devs:
+            torch.cuda.synchronize(dev)
+        return len(devs) * len(directions) * copies * nbytes / (time.perf_counter() - started)
+
+    out = {}
+    for name, directions in ways.items():
+        copy_all(directions)  # warm-up
+        out[name] = statistics.median(copy_all(directions) for _ in range(runs))
+    log.info("the host's links to %d devices together: h2d %.1f GB/s, d2h %.1f GB/s, both ways %.1f GB/s",
+             len(devs), out["h2d"] / 1e9, out["d2h"] / 1e9, out["both"] / 1e9)
+    return out
+
+
 def measure_host_update(device: str | None = None, elements: int = 1 << 26, runs: int = 3) -> float:
     """Parameters per second of a CPU AdamW step (torch's CPU _fused_adamw_) as the engine's host lane
     runs it (plan.host_update): on one intra-op thread fewer than torch's (kernels/threads.py) and,

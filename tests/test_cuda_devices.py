@@ -53,3 +53,18 @@ def test_gpus_match_eager_averaged_accumulation(devices, budget, make_opt):
     for d in range(devices):  # every device holds its arena
         assert torch.cuda.memory_allocated(d) >= mg.arena_bytes
     mg.release(keep=False)
+
+
+def test_the_cost_model_of_a_step_over_two_gpus_measures_what_the_host_moves_over_both(tmp_path):
+    """Both links copying at once move more than one alone and no more than two alone, each way;
+    with both directions busy, more than either direction alone. A one-device model caps nothing."""
+    from turnip.planners.costs import CostModel
+
+    one = CostModel(device="cuda", cache_dir=tmp_path)
+    assert one.host_links.h2d is None and one.host_links.both is None
+    two = CostModel(device="cuda", devices=2, cache_dir=tmp_path)
+    links = two.host_links
+    for together, alone in ((links.h2d, one.h2d_bandwidth), (links.d2h, one.d2h_bandwidth)):
+        assert 0.9 * alone < together <= 2.1 * alone
+    assert links.both > 0.9 * max(links.h2d, links.d2h)
+    assert CostModel(device="cuda", devices=2, cache_dir=tmp_path).host_links == links  # cached by count
