@@ -42,7 +42,7 @@ from ..planners.costs import CostModel, DeviceSpec, default_costs
 from ..planners.driver import plan_candidates
 from ..planners.host_update import host_update_candidates
 from ..planners.measure import device_name
-from ..trace.tracer import trace
+from ..trace.tracer import trace_step
 from .models.sizes import make_workload
 from .options import planner_options
 from .peers.common import Workload
@@ -55,18 +55,21 @@ ALIGNMENT = 256  # compile's arena alignment on CUDA
 
 
 def export(workload: Workload, device: str, out: Path, eager: bool = True, loss_blocks: int | None = None,
-           analytic_cuda: bool = False, devices: int = 1) -> Path:
+           analytic_cuda: bool = False, devices: int = 1, casts_travel: bool = False) -> Path:
     """Trace ``workload`` for ``device`` (its loss head in ``loss_blocks`` row blocks when given,
     trace/split_loss.py), measure its op costs there, write the step and its facts. analytic_cuda:
     no GPU at hand: trace on ``device`` (the CPU) and price the ops with the analytic H100-class
     model as a CUDA step (a stand-in for planner experiments, not the GPU's measured costs).
     devices: N > 1 traces the step over N devices of ``device``'s kind (compile's ``devices=N``),
-    each on the workload's batch; the device-to-device bandwidth is measured when N GPUs exist."""
+    each on the workload's batch; the device-to-device bandwidth is measured when N GPUs exist.
+    casts_travel: the layout compile takes below CASTS_TRAVEL_BELOW on several devices (each trained
+    weight's autocast cast made once, on its owner, and sent; trace/data_parallel.py), "_casts" in
+    the file's name."""
     started = time.perf_counter()
     model = workload.model
     trainable = [p for p in model.parameters() if p.requires_grad]
-    tg = trace(model, workload.loss_fn, workload.batch_on(device), optimizer=workload.optimizer(trainable),
-               device=device, loss_blocks=loss_blocks, devices=devices)
+    tg = trace_step(model, workload.loss_fn, workload.batch_on(device), optimizer=workload.optimizer(trainable),
+                    device=device, loss_blocks=loss_blocks, devices=devices).finished(casts_travel=casts_travel)
     if analytic_cuda:
         tg.device = "cuda"  # priced and planned as a CUDA step: launches cost host time, links are PCIe
         costs = CostModel(device="cuda", measure=False)
@@ -74,7 +77,7 @@ def export(workload: Workload, device: str, out: Path, eager: bool = True, loss_
         costs = default_costs(tg)
     costs.annotate(tg)
     stem = f"step_{workload.name}" + (f"_split{loss_blocks}" if loss_blocks else "") + \
-        (f"_x{devices}" if devices > 1 else "")
+        (f"_x{devices}" if devices > 1 else "") + ("_casts" if casts_travel else "")
     save_step(tg, out / f"{stem}.step")
     priced = "analytic H100-class" if analytic_cuda else "measured" if costs.measure else "analytic"
     facts = {**run_metadata(), "model": workload.name, "loss_blocks": loss_blocks or 1, "costs": priced,
@@ -224,6 +227,8 @@ def main(argv=None) -> int:
                     "the analytic H100-class model as a CUDA step (planner experiments only)")
     ex.add_argument("--devices", default="1", help="comma-separated device counts: each exported as a step over that "
                     "many devices (compile's devices=N), e.g. 1,2,4")
+    ex.add_argument("--casts-travel", action="store_true", help="the steps over several devices in the layout "
+                    "compile takes below half their unplanned peak: weights' casts made on their owner and sent")
     ex.add_argument("--split", default="", help="comma-separated row-block counts: also export the step with its "
                     "loss head split (trace/split_loss.py), e.g. 4,8")
     pl = sub.add_parser("plan", help="plan and simulate an exported step at some budgets")
@@ -250,7 +255,7 @@ def main(argv=None) -> int:
             eager = not (args.no_eager or args.analytic_cuda)  # a CPU eager step measures no GPU peak
             for k, count in enumerate(int(x) for x in args.devices.split(",") if x):
                 export(workload, args.device, out, eager=eager and k == 0, analytic_cuda=args.analytic_cuda,
-                       devices=count)
+                       devices=count, casts_travel=args.casts_travel and count > 1)
             for k in [int(x) for x in args.split.split(",") if x]:
                 export(workload, args.device, out, eager=False, loss_blocks=k, analytic_cuda=args.analytic_cuda)
         return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from turnip.bench import replan
 from turnip.bench.models.sizes import make_workload
 from turnip.ir.plan import Plan
@@ -107,3 +108,18 @@ def test_a_cap_on_what_the_host_moves_slows_a_step_that_moves_bytes(exported, tm
                         "--host-links", "none,none,1e9"]) == 0
     doc = json.loads((tmp_path / "replan_gpt350m-tiny.json").read_text())
     assert min(r["simulated_s"] for r in doc["rows"]) == pytest.approx(picked(capped))
+
+
+def test_a_step_over_devices_exports_in_either_layout(tmp_path):
+    """--casts-travel: the layout compile takes below half the unplanned peak, where the weights'
+    autocast casts cross between devices and the fp32 weights stay on their owners."""
+    workload = make_workload("gpt350m", tiny=True)
+    paths = {casts: replan.export(workload, "cpu", tmp_path, eager=False, analytic_cuda=True, devices=2,
+                                  casts_travel=casts) for casts in (False, True)}
+    assert paths[False].name == "step_gpt350m-tiny_x2.step" and paths[True].name == "step_gpt350m-tiny_x2_casts.step"
+
+    def sent_casts(tg):  # bf16 values copied from another device: the weights' casts
+        return sum(tg.transfer_source(v) is not None and tg.values[v.outputs[0]].dtype == torch.bfloat16
+                   for v in tg.vertices)
+
+    assert sent_casts(load_step(paths[False])) == 0 < sent_casts(load_step(paths[True]))
