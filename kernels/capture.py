@@ -14,11 +14,28 @@ def captured(launch: Callable[[], None], pool: tuple | None = None) -> torch.cud
     Thread-local capture, so another thread's CUDA calls do not break it. Nothing runs: replay
     the graph for that. Raises whatever the capture raises; the stream is left capturing nothing."""
     graph = torch.cuda.CUDAGraph()
+    device = torch.cuda.current_device()
     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
     try:
         launch()
     finally:
-        with warnings.catch_warnings():  # ops that launch nothing (empty_like) make an empty graph: fine
-            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-            graph.capture_end()
+        try:
+            with warnings.catch_warnings():  # ops that launch nothing (empty_like) make an empty graph: fine
+                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                graph.capture_end()
+        except BaseException:
+            _stop_allocating_to(device, graph.pool())
+            raise
     return graph
+
+
+def _stop_allocating_to(device: int, pool: tuple) -> None:
+    """End the caching allocator's capture into ``pool`` after a capture that failed. torch's
+    capture_end raises on an invalidated capture before it ends it, and the allocator then counts
+    the capture as underway for good: it aborts the process at its next synchronize of freed blocks
+    ("captures_underway.empty() INTERNAL ASSERT FAILED", gpt1.3b on two H200s at 10%, when the step
+    released its memory)."""
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError:  # capture_end failed after ending it itself ("not currently recording")
+        pass
