@@ -15,6 +15,7 @@ def captured(launch: Callable[[], None], pool: tuple | None = None) -> torch.cud
     the graph for that. Raises whatever the capture raises; the stream is left capturing nothing."""
     graph = torch.cuda.CUDAGraph()
     device = torch.cuda.current_device()
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()  # known, to end it on failure
     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
     try:
         launch()
@@ -24,7 +25,7 @@ def captured(launch: Callable[[], None], pool: tuple | None = None) -> torch.cud
                 warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
                 graph.capture_end()
         except BaseException:
-            _stop_allocating_to(device, graph.pool())
+            _stop_allocating_to(device, pool)  # graph.pool() refuses to answer after a failed capture
             raise
     return graph
 

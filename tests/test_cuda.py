@@ -330,28 +330,35 @@ def eager_steps_cpu_update(model, loss_fn, batches, seed: int = 123):
 
 
 FAILED_CAPTURE_THEN_RELEASE = """
+import gc
 import torch
+from turnip.engine.lane_pools import LanePools
 from turnip.kernels.capture import captured
+pools = LanePools(largest_workspace=0)
 stream = torch.cuda.Stream()
+pools.add("lane", stream, prewarm=False)
 x = torch.ones(1024, device="cuda")
 with torch.cuda.stream(stream):
     try:
-        captured(lambda: (x * 2).sum().item(), torch.cuda.graph_pool_handle())
+        captured(lambda: (x * 2).sum().item(), pools.handle("lane"))
     except RuntimeError:
         pass
     else:
         raise SystemExit("the capture should have failed")
+    pools.renew("lane")
 stream.synchronize()
-del x
+pools.clear()  # the engine's release: the retired pool is freed, its cached blocks emptied
+gc.collect()
 torch.cuda.synchronize()
-torch.cuda.empty_cache()  # frees blocks after synchronizing their events: aborted while a capture was counted
+torch.cuda.empty_cache()
 print("released")
 """
 
 
 def test_a_failed_capture_leaves_no_capture_underway_to_abort_the_process():
     """After a failed capture the allocator must not count a capture as underway: torch aborts the
-    process when it next frees cached blocks (here: empty_cache) if it does."""
+    process when it next frees cached blocks (the engine's release frees the lane's retired pool)
+    if it does."""
     import subprocess
     import sys
 
