@@ -128,11 +128,13 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     every gradient then divided by their count (DDP's averaging; trace/data_parallel.py). Each
     parameter's gradient is summed on the device that owns its update, the update and its optimizer
     states live there, and the other devices' replicas of the weight are refreshed from it by
-    device-to-device copies. The budget is per device. engine.run(mg, batch) takes a list of one
+    device-to-device copies; below CASTS_TRAVEL_BELOW of the unplanned peak, a weight read only
+    through its autocast cast keeps no replica: the owner casts it and sends the cast (ZeRO-3's
+    sharding, in the compute dtype). The budget is per device. engine.run(mg, batch) takes a list of one
     batch per device, or one batch with devices x the example's rows (split along dim 0);
     out["losses"] holds each device's loss and out["loss"] their mean. The planners see the devices as
     one device with N times the budget (plan_step says why that holds and what it misses). Not yet:
-    accumulation_steps > 1 with devices, and weights sharded across devices.
+    accumulation_steps > 1 with devices, and sharding the weights read outside autocast.
     planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
     the ILP solver may run; default None, scaled to the problem: planners/driver.py's
     ilp_time_limit, 0.5 ms per binary variable, 15 ms with op costs measured on the GPU, within
