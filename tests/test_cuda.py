@@ -17,7 +17,7 @@ from turnip import engine, memgraph
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-CUDA_TOL = dict(rtol=1e-3, atol=1e-4)
+CUDA_TOL = {"rtol": 1e-3, "atol": 1e-4}
 
 
 def adamw(params):
