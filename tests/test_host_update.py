@@ -191,3 +191,27 @@ def test_the_host_lane_reports_each_unit_once_it_ran_with_its_error_and_start():
     assert (first.vertex, second.vertex) == (0, 1)
     assert isinstance(first.error, RuntimeError) and second.error is None
     assert 0 < first.start <= first.end and 0 < second.start <= second.end
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_host_updates_of_a_step_over_devices_match_eager_data_parallel(devices):
+    """Each parameter's update runs once, on the host lane (one for all devices: host vertices
+    touch no GPU), from the gradient summed on its owner and sent down; bitwise against eager
+    accumulating the devices' micro-batches with DDP's averaging, in every ordering."""
+    from test_devices import eager_data_parallel, per_device
+
+    model, loss_fn, batches = make_case("gpt")
+    steps = per_device(batches, devices)
+    want_state, want_losses = eager_data_parallel(model, loss_fn, steps, make_opt)
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=make_opt(trainable(model)), budget=0.5,
+                          device="cpu", devices=devices, fused_optimizer=True, host_update="all", cache=False,
+                          verbose=False)
+    host = [mv for mv in mg.vertices if mv.stream is Stream.HOST]
+    assert host and len(mg.plan.host_update) == len(fused_updates(mg.taskgraph))
+    assert {mg.taskgraph.vertices[mv.task_vertex].device for mv in host} == set(range(devices))  # every owner's
+    assert verify(mg) == []
+    for ordering, seed in [("deterministic", None), ("random", 1)]:
+        mg.runtime = None
+        losses = [engine.run(mg, step, ordering=ordering, seed=seed)["losses"] for step in steps]
+        assert all(torch.equal(g, w) for g, w in zip(losses, want_losses, strict=True)), (ordering, losses)
+        assert_same_state(mg.state_dict(), want_state)

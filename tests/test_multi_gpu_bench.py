@@ -42,3 +42,15 @@ def test_isolated_budgets_each_run_in_a_process_of_their_own_into_one_file(tmp_p
     (row,) = json.loads(slow.read_text())["rows"]
     assert (row["system"], row["status"], row["budget"]) == ("turnip", "timeout", 1.0)
     assert row["error"] == "killed after 0s without a result"
+
+
+def test_host_update_rows_run_the_updates_on_the_hosts_cores(tmp_path):
+    """--host-update all: compile's host_update with the workload's optimizer fused; the row says how
+    many updates the host ran."""
+    from turnip.bench import multi_gpu
+
+    out = tmp_path / "host.json"
+    multi_gpu.main(["--devices", "2", "--tiny", "--device", "cpu", "--budgets", "0.5", "--steps", "1", "--warmup", "0",
+                    "--no-eager", "--host-update", "all", "--no-plots", "--out", str(out)])
+    row = next(r for r in json.loads(out.read_text())["rows"] if r["system"] == "turnip")
+    assert row["status"] == "ok" and row["host_update"] == "all" and row["host_updates"] > 0
