@@ -153,16 +153,20 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
         plan_s[0] += time.perf_counter() - started
         return [dataclasses.replace(plan, gpu_budget=budget) for plan in plans]
 
+    short = [None]  # as compile's: the refusal of a plan predicted faster than every one that built
+
     def simulated(plans: list[Plan]) -> list[dict]:
         """A row per walk of each plan that builds; as compile, the builder's refusal where none does."""
-        found, refusals = [], []
+        found, refusals, refused, predicted = [], [], [], []
         for k, plan in enumerate(plans):
             try:
                 built = list(zip(("ahead", "compact"), build_walks(tg, plan, alignment=ALIGNMENT), strict=False))
             except InfeasibleBudget as exc:  # as compile: on several devices the other candidates stand
                 log.warning("%s#%d does not build: %s", plan.planner, k, exc)
                 refusals.append(exc)
+                refused.append((plan, exc))
                 continue
+            predicted.append(plan.predicted_time)
             amended = recompute_evicted(tg, plan, built[0][1], costs)  # as compile tries on its pick
             if amended is not None:
                 built.append(("ahead+recomputed evictions", build_walks(tg, amended, alignment=ALIGNMENT)[0]))
@@ -181,12 +185,15 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
                     "vertices": mg.summary()["vertices"], "plan_seconds": plan_s[0], "options": options})
         if not found and refusals:
             raise min(refusals, key=lambda exc: exc.minimum or 0)
+        favourites = [exc for plan, exc in refused if predicted and plan.predicted_time < min(predicted) and exc.minimum]
+        short[0] = max(favourites, key=lambda exc: exc.minimum) if favourites else None
         return found
 
     try:
         if budget >= peak:  # nothing to plan: what compile's keep_everything chooses between
             return simulated([Plan(gpu_budget=budget, planner="none")])
-        return built_on_every_device(planned(1.0), simulated, planned, budget, tg.devices)
+        return built_on_every_device(planned(1.0), simulated, planned, budget, tg.devices,
+                                     shortfall=lambda rows: short[0], faster=lambda rows, more: rows + more)
     except InfeasibleBudget as exc:
         log.warning("budget %s: no plan builds (%s)", text, exc)
         return []

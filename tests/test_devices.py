@@ -378,3 +378,38 @@ def test_a_step_without_autocast_casts_no_weights(gpt_case):
     model = copy.deepcopy(model)
     assert not trace_step(model, loss_fn, batches[0], optimizer=adamw(model.parameters()), device="cpu",
                           devices=2).casts_weights()
+
+
+def test_where_the_planners_favourite_leaves_a_device_short_it_is_made_again_beside_what_built():
+    """Some candidates build, but the one the planner predicted fastest left a device short: the
+    plans are made again for less, and the faster of the two builds is kept (a build that is
+    slower than the first, or none at all, leaves the first)."""
+    from turnip.ir.errors import InfeasibleBudget
+    from turnip.memgraph import compiler
+
+    def build_plans(plans):  # (seconds of the best that built, the favourite's refusal or None)
+        return (0.728, InfeasibleBudget("short", minimum=1040)) if plans[0] == 1.0 else (0.432, None)
+
+    replans = []
+
+    def replan(scale):
+        replans.append(scale)
+        return [scale]
+
+    def run(build):
+        return compiler.built_on_every_device([1.0], build, replan, 1000, 2, shortfall=lambda r: r[1],
+                                              faster=lambda a, b: b if b[0] < a[0] else a)
+
+    assert run(build_plans) == (0.432, None) and replans == [0.95]
+    assert run(lambda plans: (0.9, None) if plans[0] < 1 else build_plans(plans))[0] == 0.728
+
+    def none_again(plans):
+        if plans[0] < 1:
+            raise InfeasibleBudget("short", minimum=1100)
+        return build_plans(plans)
+
+    assert run(none_again)[0] == 0.728
+    # one device, or no shortfall asked for: the first build stands
+    assert compiler.built_on_every_device([1.0], build_plans, replan, 1000, 1, shortfall=lambda r: r[1],
+                                          faster=min)[0] == 0.728
+    assert compiler.built_on_every_device([1.0], build_plans, replan, 1000, 2)[0] == 0.728
