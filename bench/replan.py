@@ -85,7 +85,7 @@ def export(workload: Workload, device: str, out: Path, eager: bool = True, loss_
              "h2d_bandwidth": costs.h2d_bandwidth, "d2h_bandwidth": costs.d2h_bandwidth,
              "duplex_bandwidth": costs.duplex_bandwidth, "d2d_bandwidth": costs.d2d_bandwidth, "devices": devices,
              "host_per_vertex": costs.host_per_vertex_on(tg.device), "vertices": len(tg.vertices),
-             "host_links": dataclasses.asdict(costs.host_links),
+             "host_links": dataclasses.asdict(costs.host_links), "host_update_rate": costs.host_update_rate,
              "export_seconds": None}
     if eager:  # the suite's budgets are fractions of eager's measured peak: keep it beside the step
         result = resolve("eager")(workload, device, 3, warmup=1)
@@ -101,11 +101,13 @@ def export(workload: Workload, device: str, out: Path, eager: bool = True, loss_
 def offline_costs(facts: dict) -> CostModel:
     """A cost model that measures nothing: the op times are in the step, the link and host rates
     are the exporting machine's (facts["host_links"], {"h2d":, "d2h":, "both":} bytes/s, where
-    given: what the host moves over every device's link together)."""
+    given: what the host moves over every device's link together; facts["host_update_rate"], where
+    given: parameters per second its cores update beside the copies)."""
     spec = DeviceSpec(name=facts.get("device_name", "exported"), h2d=facts["h2d_bandwidth"],
                       duplex=facts.get("duplex_bandwidth"), d2d=facts.get("d2d_bandwidth", DeviceSpec.d2d),
                       d2h=facts["d2h_bandwidth"], host_per_vertex=facts["host_per_vertex"],
-                      host_links=HostLinks(**facts.get("host_links", {})))
+                      host_links=HostLinks(**facts.get("host_links", {})),
+                      host_update_rate=facts.get("host_update_rate", DeviceSpec.host_update_rate))
     return CostModel(device="cuda", spec=spec, measure=False)
 
 

@@ -123,3 +123,13 @@ def test_a_step_over_devices_exports_in_either_layout(tmp_path):
                    for v in tg.vertices)
 
     assert sent_casts(load_step(paths[False])) == 0 < sent_casts(load_step(paths[True]))
+
+
+def test_the_exporting_hosts_update_rate_prices_host_updates_offline():
+    """facts["host_update_rate"] (parameters/s the exporting host's cores update) goes into the
+    offline cost model; older exports without it keep the spec's figure."""
+    from turnip.planners.costs import DeviceSpec
+
+    facts = {"h2d_bandwidth": 5e10, "d2h_bandwidth": 5e10, "host_per_vertex": 1e-5}
+    assert replan.offline_costs(facts).host_update_rate == DeviceSpec.host_update_rate
+    assert replan.offline_costs({**facts, "host_update_rate": 6.8e9}).host_update_rate == 6.8e9
