@@ -36,7 +36,13 @@ from ..ir.errors import InfeasibleBudget
 from ..ir.plan import Plan
 from ..ir.step_file import load_step, save_step
 from ..memgraph.builder import build, build_walks
-from ..memgraph.compiler import UNBOUNDED, built_on_every_device, planning_budget, unplanned_peak
+from ..memgraph.compiler import (
+    UNBOUNDED,
+    built_on_every_device,
+    favourite_refused,
+    planning_budget,
+    unplanned_peak,
+)
 from ..memgraph.remake_offloaded import recompute_evicted
 from ..planners.costs import CostModel, DeviceSpec, default_costs
 from ..planners.driver import plan_candidates
@@ -155,20 +161,18 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
         plan_s[0] += time.perf_counter() - started
         return [dataclasses.replace(plan, gpu_budget=budget) for plan in plans]
 
-    short = [None]  # as compile's: the refusal of a plan predicted faster than every one that built
-
-    def simulated(plans: list[Plan]) -> list[dict]:
-        """A row per walk of each plan that builds; as compile, the builder's refusal where none does."""
-        found, refusals, refused, predicted = [], [], [], []
+    def simulated(plans: list[Plan]) -> tuple[list[dict], InfeasibleBudget | None]:
+        """A row per walk of each plan that builds, and as compile's build_candidates the refusal of a
+        plan predicted faster than those; the builder's refusal where none builds."""
+        found, refused, built_plans = [], [], []
         for k, plan in enumerate(plans):
             try:
                 built = list(zip(("ahead", "compact"), build_walks(tg, plan, alignment=ALIGNMENT), strict=False))
             except InfeasibleBudget as exc:  # as compile: on several devices the other candidates stand
                 log.warning("%s#%d does not build: %s", plan.planner, k, exc)
-                refusals.append(exc)
                 refused.append((plan, exc))
                 continue
-            predicted.append(plan.predicted_time)
+            built_plans.append(plan)
             amended = recompute_evicted(tg, plan, built[0][1], costs)  # as compile tries on its pick
             if amended is not None:
                 built.append(("ahead+recomputed evictions", build_walks(tg, amended, alignment=ALIGNMENT)[0]))
@@ -185,17 +189,15 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
                     "recomputed": sum(1 for v in mg.taskgraph.vertices if v.recompute_of >= 0),
                     "arena_bytes": mg.arena_bytes, "cpu_bytes": mg.cpu_bytes,
                     "vertices": mg.summary()["vertices"], "plan_seconds": plan_s[0], "options": options})
-        if not found and refusals:
-            raise min(refusals, key=lambda exc: exc.minimum or 0)
-        favourites = [exc for plan, exc in refused if predicted and plan.predicted_time < min(predicted) and exc.minimum]
-        short[0] = max(favourites, key=lambda exc: exc.minimum) if favourites else None
-        return found
+        if not found and refused:
+            raise min((exc for _, exc in refused), key=lambda exc: exc.minimum or 0)
+        return found, favourite_refused(refused, built_plans)
 
     try:
         if budget >= peak:  # nothing to plan: what compile's keep_everything chooses between
-            return simulated([Plan(gpu_budget=budget, planner="none")])
+            return simulated([Plan(gpu_budget=budget, planner="none")])[0]
         return built_on_every_device(planned(1.0), simulated, planned, budget, tg.devices,
-                                     shortfall=lambda rows: short[0], faster=lambda rows, more: rows + more)
+                                     faster=lambda rows, more: rows + more)
     except InfeasibleBudget as exc:
         log.warning("budget %s: no plan builds (%s)", text, exc)
         return []

@@ -48,9 +48,11 @@ class LanePools:
         """Give ``lane`` a new pool after a capture into its pool failed. torch's capture_end raises
         before it stops the allocator capturing into the pool, and a pool left so refuses every
         later capture and use_mem_pool ("beginAllocateToPool: already recording to mempool_id":
-        gpt1.3b on two H100s at 25% lost its second step so). The old pool is kept, not freed:
-        freeing a pool torch still counts as being captured into is not safe, and its blocks (a
-        workspace's worth at most) stay reserved. Not prewarmed, for the same reason."""
+        gpt1.3b on two H100s at 25% lost its second step so). kernels/capture.py now ends that
+        capture itself (without it, freeing the pool aborted the process), so this new pool may no
+        longer be needed; it stays until a GPU run shows the old pool serving again. The old pool
+        is kept (its blocks, a workspace's worth at most, stay reserved) and freed with the others
+        at release. Not prewarmed."""
         old, device = self.pools[lane]
         self.retired.append(old)
         with torch.cuda.device(device):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 import torch
 
@@ -155,7 +156,7 @@ def grouped_mm_layout(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tens
     return size, stride, dtype
 
 
-def reads_on_host(name: str, dtypes: list[torch.dtype], device_type: str) -> bool:
+def reads_on_host(name: str, dtypes: Iterable[torch.dtype], device_type: str) -> bool:
     """Whether the op's kernel copies a device tensor to the host, which no CUDA graph can capture:
     CUDA's aten::_grouped_mm outside its bfloat16 fast path runs one mm per group, reading the
     group offsets on the host (Hugging Face's default experts under autocast keep float32 weights

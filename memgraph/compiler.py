@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -222,13 +223,10 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                 candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
                                        planner_options, host_update)
 
-        shortfalls = {}  # id of a MemGraph built -> the refusal of a plan predicted faster than it, or None
-
-        def built(candidates: list[Plan]) -> MemGraph:
-            mg, walk = build_candidates(tg, candidates, alignment, costs, device.type)
+        def built(candidates: list[Plan]) -> tuple[MemGraph, InfeasibleBudget | None]:
+            mg, walk, short = build_candidates(tg, candidates, alignment, costs, device.type)
             mg.stats["build_walk"] = walk
-            shortfalls[id(mg)] = mg.stats.pop("short_of_budget", None)
-            return mg
+            return mg, short
 
         def stored(mg: MemGraph, cpu_bytes: int | None, key: str | None) -> MemGraph:
             if planner != "none":
@@ -240,7 +238,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             return mg
 
         def build_and_store(candidates: list[Plan], cpu_bytes: int | None, key: str | None) -> MemGraph:
-            return stored(built(candidates), cpu_bytes, key)
+            return stored(built(candidates)[0], cpu_bytes, key)
 
         with progress.phase("building"):
             mg = build_cached(tg, hit, alignment) if hit is not None else None
@@ -260,9 +258,9 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                     return plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
                                      planner_options, host_update, scale=scale)
 
-                mg = stored(built_on_every_device(candidates, built, replanned, gpu_budget, tg.devices,
-                                                  shortfall=lambda mg: shortfalls.get(id(mg)),
-                                                  faster=faster_simulated), cpu_bytes, key)
+                faster = functools.partial(faster_simulated, costs=costs, backend=device.type)
+                mg = stored(built_on_every_device(candidates, built, replanned, gpu_budget, tg.devices, faster),
+                            cpu_bytes, key)
             # pinned memory is page-locked: a plan that pins more than the host has is planned again
             # within it (or refused) here, not found out when the engine pins it
             host_cpu_bytes = within_host(mg.cpu_bytes, pinnable_bytes() if device.type == "cuda" else None,
@@ -464,22 +462,22 @@ REPLAN_AT_MOST = 0.95
 
 
 def built_on_every_device(candidates: list[Plan], build_plans, replan, gpu_budget: int, devices: int,
-                          shortfall=None, faster=None):
-    """``build_plans(candidates)``; on several devices, where no candidate builds because one device's
+                          faster=None):
+    """What ``build_plans(candidates)`` built (it returns that and the refusal of a candidate the
+    planner predicted faster than what built, or None: build_candidates); on several devices, where no candidate builds because one device's
     share of a plan made for all of them as one (plan_step) does not fit its budget, the plans made
     again for less, in proportion to what the builder found that device needs and by at least
     1 - REPLAN_AT_MOST (``replan(scale)``), up to MULTI_DEVICE_PLANS plans in all. gpt1.3b on two
     and on four H100s at 25% of eager's peak: the greedy plan left a device 0.3 and 1 GiB short at
     the loss head's upcast.
 
-    Where some candidates build but one the planner predicted faster than them did not
-    (``shortfall(built)``: its refusal, else None), the plans are made again for less too, and
-    ``faster(a, b)`` keeps the better of what was built. gpt1.3b on two H200s at 20%: the plan
+    Given ``faster(a, b)``, where some candidates build but one the planner predicted faster than
+    them did not, the plans are made again for less too, and ``faster`` keeps the better build. gpt1.3b on two H200s at 20%: the plan
     that built simulated 728 ms, the planner's favourite made again for 95% 432 (measured 430)."""
     scale, best, short = 1.0, None, None
     for attempt in range(MULTI_DEVICE_PLANS):
         try:
-            result = build_plans(candidates)
+            result, favourite_short = build_plans(candidates)
         except InfeasibleBudget as exc:
             if best is None and (devices == 1 or not exc.minimum or exc.minimum <= gpu_budget
                                  or attempt == MULTI_DEVICE_PLANS - 1):
@@ -487,7 +485,7 @@ def built_on_every_device(candidates: list[Plan], build_plans, replan, gpu_budge
             short = exc
         else:
             best = result if best is None else faster(best, result)
-            short = shortfall(result) if shortfall is not None and devices > 1 else None
+            short = favourite_short if faster is not None and devices > 1 else None
         if short is None or not short.minimum or short.minimum <= gpu_budget or attempt == MULTI_DEVICE_PLANS - 1:
             return best
         scale *= min(gpu_budget / short.minimum, REPLAN_AT_MOST)
@@ -497,9 +495,21 @@ def built_on_every_device(candidates: list[Plan], build_plans, replan, gpu_budge
     return best
 
 
-def faster_simulated(a: MemGraph, b: MemGraph) -> MemGraph:
-    """The one of two built MemGraphs the simulator ran faster (build_candidates timed both)."""
-    return b if b.stats.get("simulated_step_s", math.inf) < a.stats.get("simulated_step_s", math.inf) else a
+def faster_simulated(a: MemGraph, b: MemGraph, costs, backend: str) -> MemGraph:
+    """The one of two built MemGraphs the simulator runs faster (simulated now where no time is known)."""
+    for mg in (a, b):
+        if "simulated_step_s" not in mg.stats:
+            mg.stats["simulated_step_s"] = simulate(mg, costs, backend=backend).step_time
+    return b if b.stats["simulated_step_s"] < a.stats["simulated_step_s"] else a
+
+
+def favourite_refused(refused: list[tuple[Plan, InfeasibleBudget]], built: list[Plan]) -> InfeasibleBudget | None:
+    """Of the candidates that left a device short (``refused``: plan and the builder's refusal), the
+    refusal needing the most among those the planner predicted faster than every plan that built:
+    worth planning again for less (built_on_every_device); None where there is none."""
+    predicted = min((plan.predicted_time for plan in built if plan.predicted_time is not None), default=math.inf)
+    return max((exc for plan, exc in refused if exc.minimum and plan.predicted_time is not None
+                and plan.predicted_time < predicted), key=lambda exc: exc.minimum, default=None)
 
 
 def home_imbalance(tg) -> int:
@@ -514,12 +524,13 @@ def home_imbalance(tg) -> int:
     return max(held) - sum(held) // tg.devices
 
 
-def build_candidates(tg, candidates: list[Plan], alignment: int, costs, backend: str) -> tuple[MemGraph, str | None]:
-    """The MemGraph of the plans, and which walk of the builder made it ("ahead", "compact"; None
-    where build chose by itself). On CUDA both walks of each plan are built (memgraph/builder.py) and
-    the simulator picks."""
+def build_candidates(tg, candidates: list[Plan], alignment: int, costs,
+                     backend: str) -> tuple[MemGraph, str | None, InfeasibleBudget | None]:
+    """The MemGraph of the plans, which walk of the builder made it ("ahead", "compact"; None where
+    build chose by itself), and the refusal of a candidate that left a device short though the planner
+    predicted it faster than every one that built (favourite_refused). On CUDA both walks of each
+    plan are built (memgraph/builder.py) and the simulator picks."""
     mgs, walks = [], []
-    refusal = None
     refused = []  # (plan, refusal) of the candidates that left a device short
     for plan in candidates:
         # on several devices a plan made for all of them as one may leave one device short: the others stand
@@ -529,24 +540,16 @@ def build_candidates(tg, candidates: list[Plan], alignment: int, costs, backend:
             if tg.devices == 1 or len(candidates) == 1:
                 raise
             log.info("the %s plan does not build on every device (%s); the other candidates stand", plan.planner, exc)
-            refusal = refusal or exc
             refused.append((plan, exc))
             continue
         mgs += built
         walks += ["ahead", "compact"][:len(built)] if backend == "cuda" else [None]
     if not mgs:
-        raise refusal
+        raise refused[0][1]
     best = mgs[0] if len(mgs) == 1 else fastest_simulated(mgs, costs, backend)
     walk = walks[next(k for k, mg in enumerate(mgs) if mg is best)]
-    best = amended_if_faster(tg, best, walk, alignment, costs, backend)
-    if costs is not None and "simulated_step_s" not in best.stats:
-        best.stats["simulated_step_s"] = simulate(best, costs, backend=backend).step_time
-    # a refused plan the planner predicted faster than every one that built: worth planning again for less
-    predicted = min(mg.plan.predicted_time for mg in mgs)
-    favourites = [exc for plan, exc in refused if plan.predicted_time < predicted and exc.minimum]
-    if favourites:
-        best.stats["short_of_budget"] = max(favourites, key=lambda exc: exc.minimum)
-    return best, walk
+    return (amended_if_faster(tg, best, walk, alignment, costs, backend), walk,
+            favourite_refused(refused, [mg.plan for mg in mgs]))
 
 
 def amended_if_faster(tg, best: MemGraph, walk: str | None, alignment: int, costs, backend: str) -> MemGraph:

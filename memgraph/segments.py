@@ -105,7 +105,7 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
         key = lane(vid)
         run = runs.setdefault(key, [])
         task = tasks[vertices[vid].task_vertex]
-        alone = task.random or reads_on_host(task.op, [values[ref.value].dtype for ref in task.refs()], device_type)
+        alone = task.random or reads_on_host(task.op, (values[ref.value].dtype for ref in task.refs()), device_type)
         if run and (alone or enters_from_outside[vid] or received_at[vid] > position[run[0]]
                     or not joins_receiving(vid, key) or (max_size is not None and len(run) >= max_size)):
             close(key)

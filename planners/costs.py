@@ -363,15 +363,12 @@ class CostModel:
         if not self._measures_device or self.devices < 2 or torch.cuda.device_count() < self.devices:
             return self.spec.host_links
         keys = {way: f"host_{way}_x{self.devices}" for way in ("h2d", "d2h", "both")}
-        measured = {}
 
-        def measure_once() -> dict[str, float]:
-            if not measured:
-                rates = measure.measure_host_links([f"cuda:{k}" for k in range(self.devices)])
-                measured.update({keys[way]: rate for way, rate in rates.items()})
-            return measured
+        def measured() -> dict[str, float]:  # all three at once: the first key caches the others too
+            rates = measure.measure_host_links([f"cuda:{k}" for k in range(self.devices)])
+            return {keys[way]: rate for way, rate in rates.items()}
 
-        return HostLinks(**{way: self._cached_rate(key, measure_once) for way, key in keys.items()})
+        return HostLinks(**{way: self._cached_rate(key, measured) for way, key in keys.items()})
 
     @property
     def d2d_bandwidth(self) -> float:

@@ -282,7 +282,7 @@ def test_a_plan_a_device_cannot_hold_is_made_again_for_less():
     def build_plans(plans):
         if plans[0] > 0.7:  # this plan leaves a device short: it needs 1250 of its 1000
             raise InfeasibleBudget("short", minimum=1250)
-        return f"built {plans[0]:.2f}"
+        return f"built {plans[0]:.2f}", None
 
     def replan(scale):
         scales.append(scale)
@@ -298,7 +298,7 @@ def test_a_plan_a_device_cannot_hold_is_made_again_for_less():
     def hair_short(plans):
         if plans[0] > 0.92:
             raise InfeasibleBudget("short", minimum=1004)
-        return f"built {plans[0]:.4f}"
+        return f"built {plans[0]:.4f}", None
 
     assert compiler.built_on_every_device([1.0], hair_short, replan, 1000, 2) == "built 0.9025"
     assert scales == [0.95, 0.95 * 0.95]
@@ -397,19 +397,17 @@ def test_where_the_planners_favourite_leaves_a_device_short_it_is_made_again_bes
         return [scale]
 
     def run(build):
-        return compiler.built_on_every_device([1.0], build, replan, 1000, 2, shortfall=lambda r: r[1],
-                                              faster=lambda a, b: b if b[0] < a[0] else a)
+        return compiler.built_on_every_device([1.0], build, replan, 1000, 2, faster=min)
 
-    assert run(build_plans) == (0.432, None) and replans == [0.95]
-    assert run(lambda plans: (0.9, None) if plans[0] < 1 else build_plans(plans))[0] == 0.728
+    assert run(build_plans) == 0.432 and replans == [0.95]
+    assert run(lambda plans: (0.9, None) if plans[0] < 1 else build_plans(plans)) == 0.728
 
     def none_again(plans):
         if plans[0] < 1:
             raise InfeasibleBudget("short", minimum=1100)
         return build_plans(plans)
 
-    assert run(none_again)[0] == 0.728
-    # one device, or no shortfall asked for: the first build stands
-    assert compiler.built_on_every_device([1.0], build_plans, replan, 1000, 1, shortfall=lambda r: r[1],
-                                          faster=min)[0] == 0.728
-    assert compiler.built_on_every_device([1.0], build_plans, replan, 1000, 2)[0] == 0.728
+    assert run(none_again) == 0.728
+    # one device, or no faster build asked for: the first build stands
+    assert compiler.built_on_every_device([1.0], build_plans, replan, 1000, 1, faster=min) == 0.728
+    assert compiler.built_on_every_device([1.0], build_plans, replan, 1000, 2) == 0.728

@@ -273,7 +273,7 @@ def test_the_build_that_won_is_built_again_from_the_cache(traced, walk):
     candidates = driver.plan_candidates(tg, int(0.5 * tg.live_peak(alignment=64)), alignment=64, costs=costs)
     built = [(mg, w) for plan in candidates
              for mg, w in zip(build_walks(tg, plan, alignment=64), ("ahead", "compact"))]
-    won, won_walk = compile_module.build_candidates(tg, candidates, 64, costs, "cuda")
+    won, won_walk, _ = compile_module.build_candidates(tg, candidates, 64, costs, "cuda")
     assert won_walk in ("ahead", "compact") and won.stats["simulated_step_s"] > 0
     mg = next(mg for mg, w in built if w == walk)
     again = compile_module.build_cached(tg, cache_mod.CachedPlan(mg.plan, walk, 0.25), 64)

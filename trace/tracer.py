@@ -616,7 +616,7 @@ def trace_step(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.
 
     try:
         # library checks of batch-independent values, and the layouts of ops whose meta kernel is not
-        # the CPU kernel's, answered as eager answers them
+        # their kernels', answered as eager answers them
         with eager_answers(), _kernel_layouts():
             gm = make_fx(step, tracing_mode="fake")(fake_train, fake_frozen, fake_buffers, fake_leaves)
     except DATA_DEPENDENT as err:

@@ -43,8 +43,8 @@ def run_with(system: str, workload: Workload, device, steps: int, prepare: Calla
     return guarded(result, device, body, limit_s)
 
 
-def run(workload: Workload, device, steps: int, **kw) -> PeerResult:
-    result = run_with("eager", workload, device, steps, **kw)
+def run(workload: Workload, device, steps: int, system: str = "eager", **kw) -> PeerResult:
+    result = run_with(system, workload, device, steps, **kw)
     if result.status == "ok":
         result.bytes_h2d = result.bytes_d2h = 0
     return result
@@ -54,8 +54,5 @@ def run_fused(workload: Workload, device, steps: int, **kw) -> PeerResult:
     """Eager with the optimizer's fused kernel (``fused=True``, e.g. AdamW's): the fastest eager step
     a user can pick, the numbers of the same update rounded as that kernel rounds them."""
     spec = workload.optimizer
-    result = run_with("eager_fused", workload, device, steps,
-                      make_optimizer=lambda params: spec.cls(params, **{**spec.kwargs, "fused": True}), **kw)
-    if result.status == "ok":
-        result.bytes_h2d = result.bytes_d2h = 0
-    return result
+    return run(workload, device, steps, "eager_fused",
+               make_optimizer=lambda params: spec.cls(params, **{**spec.kwargs, "fused": True}), **kw)
