@@ -61,7 +61,10 @@ DRAIN_S = 10.0  # after a failure or an interrupt: how long units already runnin
 
 
 def vertex_device(mv) -> int:
-    """The device whose streams run a vertex: where it writes on the GPU, else where it reads."""
+    """The device whose streams run a vertex: where it writes on the GPU, else where it reads; a
+    rank's messages all run on one lane (device 0's), in tag order."""
+    if mv.stream is Stream.COMM:
+        return 0
     for places in (mv.writes, mv.reads):
         for place in places.values():
             if place.where == "gpu":
@@ -130,6 +133,15 @@ class StaticGraph:
                 self.keys.append(key)
             self.key_of.append(key_index[key])
             self.device.append(key[1])
+        # stream keys whose units launch in one fixed order whatever the policy: the messages to and from
+        # other ranks, in tag order (trace/ranks.py), which every rank shares; key index -> units in order
+        tasks = mg.taskgraph.vertices
+        self.sequenced: dict[int, list[int]] = {}
+        for u, unit in enumerate(units):
+            if self.keys[self.key_of[u]][0] is Stream.COMM:
+                self.sequenced.setdefault(self.key_of[u], []).append(u)
+        for members in self.sequenced.values():
+            members.sort(key=lambda u: tasks[mg.vertices[units[u][0]].task_vertex].kwargs["tag"])
         # what each unit needs beside its stream: ((manager name, description), ...), mostly empty.
         # A unit's vertices run one after another, so it needs the most any one of them needs.
         self.needs: list[tuple[tuple[str, Any], ...]] = []
@@ -173,6 +185,9 @@ class Scheduler:
         """``ranks``: one per MemGraph vertex (a policy's); the scheduler ranks each unit by its best."""
         self.g = graph
         self.rank = ranks = graph.unit_ranks(ranks)
+        for members in graph.sequenced.values():  # ready in their fixed order, whatever the policy's ranks
+            for position, u in enumerate(members):
+                ranks[u] = position - len(members)
         self.strict = strict
         self.streams = streams
         self.workspace = workspace
@@ -191,13 +206,16 @@ class Scheduler:
         self.nkeys = len(graph.keys)
         self.ready: list[list[tuple[int, int]]] = [[] for _ in range(self.nkeys)]
         self.waiters: dict[str, list[tuple[int, int]]] = {name: [] for name in self.resources}
+        # launch order per key: the vertices of that key sorted by rank (all keys when strict, else the
+        # graph's sequenced ones); _next[k] is the one allowed next
+        self.sequenced = [strict or k in graph.sequenced for k in range(self.nkeys)]
+        per_key: list[list[int]] = [graph.sequenced.get(k, []) for k in range(self.nkeys)]
         if strict:
-            # launch order per key: the vertices of that key sorted by rank; _next[k] is the one allowed next
-            per_key: list[list[int]] = [[] for _ in range(self.nkeys)]
+            per_key = [[] for _ in range(self.nkeys)]
             for vid in sorted(range(graph.n), key=ranks.__getitem__):
                 per_key[graph.key_of[vid]].append(vid)
-            self._sequence = per_key
-            self._next = [0] * self.nkeys
+        self._sequence = per_key
+        self._next = [0] * self.nkeys
         self.in_flight = 0
         self.done = 0
         self.halted = False
@@ -256,11 +274,11 @@ class Scheduler:
             if self.state[u] == WAITING:
                 waiting = [g.head[p] for p in preds[u] if self.state[p] != DONE]
                 lines.append(f"  {what}: waits for {waiting}")
-            elif self.strict:
+            elif self.sequenced[g.key_of[u]]:
                 k = g.key_of[u]
                 head = g.head[self._sequence[k][self._next[k]]]
-                lines.append(f"  {what}: ready, but deterministic order on {mv.stream.value} launches "
-                             f"vertex {head} first")
+                order = "deterministic order" if self.strict else "the messages' fixed order"
+                lines.append(f"  {what}: ready, but {order} on {mv.stream.value} launches vertex {head} first")
             else:
                 lines.append(f"  {what}: ready but never got its resources")
         more = f"\n  ... and {len(stuck) - limit} more" if len(stuck) > limit else ""
@@ -312,7 +330,7 @@ class Scheduler:
         free = self.streams.free
         needs = self.g.needs
         keys = range(self.nkeys)
-        strict = self.strict
+        sequenced = self.sequenced
         while True:
             best = -1
             best_rank = 0
@@ -321,7 +339,7 @@ class Scheduler:
                 if not heap or not free[k]:
                     continue
                 rank, vid = heap[0]
-                if strict and vid != self._sequence[k][self._next[k]]:
+                if sequenced[k] and vid != self._sequence[k][self._next[k]]:
                     continue  # its turn has not come: an earlier vertex of this stream class is not ready
                 if best < 0 or rank < best_rank:
                     best, best_rank = k, rank
@@ -337,7 +355,7 @@ class Scheduler:
             self.instance[vid] = inst
             self.state[vid] = RUNNING
             self.in_flight += 1
-            if strict:
+            if sequenced[best]:
                 self._next[best] += 1
             self.launch_order.extend(self.g.units[vid])
             launches.append(Launch(vid, best, inst))

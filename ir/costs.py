@@ -36,6 +36,9 @@ class CostModel(Protocol):
     @property
     def host_links(self) -> HostLinks: ...  # what the host moves over every device's link together
 
+    @property
+    def rank_bandwidth(self) -> float: ...  # bytes/s of a message from one rank to another (another host's)
+
     def estimate(self, tg: Any, vertex: Any) -> tuple[float, int]:
         """(seconds, workspace bytes) of a TaskGraph vertex that carries no measured time."""
         ...
@@ -70,6 +73,7 @@ class FixedRates:
     host_per_vertex: float = 0.0
     d2d_bandwidth: float = 300e9
     host_links: HostLinks = field(default_factory=HostLinks)
+    rank_bandwidth: float = 25e9
 
     def estimate(self, tg: Any, vertex: Any) -> tuple[float, int]:
         return 0.0, 0

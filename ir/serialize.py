@@ -10,7 +10,8 @@ A ``.mg`` file is a zip archive of exactly two members:
 Loading parses JSON and safetensors and builds only the types named in
 `Codec`'s registry (the contract dataclasses and enums) and a fixed list of
 torch constants, so a file runs no code of its author: no pickle anywhere.
-A file of another version than `VERSION` (6), 5 or 4 (read as 6 on one device, 4 without host updates) is refused,
+A file of another version than `VERSION` (7), 6, 5 or 4 (read as 7 in one process, 5 and 4 on one device, 4 without
+host updates) is refused,
 naming its version; version 1 files were pickles, refused without being opened as one.
 
 Tagged JSON: JSON scalars (str, int, bool, null, finite float) and arrays
@@ -47,9 +48,11 @@ FORMAT = "turnip.memgraph"
 # 3 added MemGraph.segments, TaskGraph.batch_constants, OptimizerSpec.params and Plan.release_after;
 # 4 added TaskGraph.accumulation_steps; 5 Plan.host_update and .resident (and Stream "host"). A file of version 4
 # reads as one of 5 with no host updates (ADDED_FIELDS); 6 added the devices of TaskGraph, Vertex and Value (a file of
-# 4 or 5 is one device's); other versions are read only by their turnip.
-VERSION = 6
-ADDED_FIELDS = {"Plan": {"host_update": 5, "resident": 5}, "TaskGraph": {"devices": 6}, "Vertex": {"device": 6},
+# 4 or 5 is one device's); 7 the rank of TaskGraph and their count (a file of 4 to 6 is one process's); other versions
+# are read only by their turnip.
+VERSION = 7
+ADDED_FIELDS = {"Plan": {"host_update": 5, "resident": 5}, "TaskGraph": {"devices": 6, "rank": 7, "ranks": 7},
+                "Vertex": {"device": 6},
                 "Value": {"device": 6}}  # class -> field -> the version that added it (it has a default)
 GRAPH_MEMBER = "graph.json"
 STATE_MEMBER = "state.safetensors"
@@ -337,7 +340,7 @@ def load(path: str | Path, types: Iterable[type]) -> Any:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else None
         raise ValueError(f"{path} is not a turnip MemGraph file: format {found!r}, expected {FORMAT!r}")
-    if doc.get("version") not in (4, 5, VERSION):
+    if doc.get("version") not in (4, 5, 6, VERSION):
         raise ValueError(f"{path} has MemGraph format version {doc.get('version')!r}, this turnip reads 4 to {VERSION}")
     try:
         tensors = load_tensors(state)

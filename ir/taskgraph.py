@@ -140,6 +140,10 @@ def map_refs(template: Any, fn) -> Any:
 
 # ops that move a value between devices when their source is on another device: op -> index of the source argument
 TRANSFER_OPS = {"aten::_to_copy": 0, "aten::copy_": 1}
+# a value sent to or received from another rank (trace/ranks.py): kwargs peer (the other rank) and tag (the
+# message's position among the step's messages, the same on every rank); a send reads its value, a receive makes it
+SEND, RECV = "turnip::send", "turnip::recv"
+MESSAGE_OPS = (SEND, RECV)
 
 _PLAIN_DICTS = (dict, OrderedDict, defaultdict)  # read as one kind of mapping; other dict subclasses keep theirs
 
@@ -197,6 +201,10 @@ class TaskGraph:
     # per device, each on its micro-batch (batch_inputs: device 0's, then device 1's, ...), gradients summed
     # into each parameter's owner, the update there, updated weights copied to the others
     devices: int = 1
+    # ranks (processes, trace/ranks.py) the step runs on, and which of them this graph is: its devices are this
+    # rank's; values it sends to or receives from other ranks go through SEND and RECV vertices
+    rank: int = 0
+    ranks: int = 1
     initial_state: dict[int, Any] = field(default_factory=dict)  # persistent value -> its tensor at trace time
     state_names: dict[str, int] = field(default_factory=dict)  # model state_dict key -> persistent value id
     # bytes the engine's streams keep besides arena and op workspace (cuBLAS/cuDNN workspaces of a new

@@ -40,6 +40,21 @@ def is_random(op: torch._ops.OpOverload) -> bool:
     return torch.Tag.nondeterministic_seeded in op.tags
 
 
+def draws(vertex) -> bool:
+    """Whether a random vertex really draws: an attention op whose dropout probability is 0 leaves
+    the generator as it was (its schema is random for the dropout it may do)."""
+    if not vertex.random:
+        return False
+    if "attention" not in vertex.op:
+        return True
+    names = [a.name for a in resolve_op(vertex.op)._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    i = names.index("dropout_p")
+    p = vertex.args[i] if i < len(vertex.args) else vertex.kwargs.get("dropout_p", 0.0)
+    return p != 0
+
+
 # Ops that write arguments their schema does not mark as written: op -> (index of the flag argument that
 # says whether they do, indices of the arguments written). BatchNorm in training updates its running
 # statistics in place; the trace gives them new versions like any in-place op's.

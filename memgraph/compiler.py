@@ -20,18 +20,21 @@ from ..ir.memgraph import MemGraph
 from ..ir.optimizer import CompiledOptimizer
 from ..ir.plan import Plan
 from ..ir.taskgraph import TaskGraph
-from ..planners.cache import CachedPlan, PlanCache, plan_key
+from ..planners.cache import CachedPlan, PlanCache, plan_key, taskgraph_digest
 from ..planners.costs import default_costs
+from ..planners.model import step_order
 from ..planners.driver import check_options, plan_candidates, run_plan, smallest_budget
 from ..planners.host_update import check_mode as check_host_update
 from ..planners.host_update import fused_updates, host_update_candidates
 from ..planners.measure import device_name
 from ..trace.data_parallel import read_devices
 from ..trace.passes import DONATE, run_passes
+from ..trace.ranks import check_ranks, rank_slice
 from ..trace.split_loss import split_loss_head
 from ..trace.tracer import check_clipping, target_device, trace_step
 from .builder import build, build_walks
 from .progress import Phases, stderr_is_terminal
+from .ranks import Ranks, agree, broadcast_weights, check_message_order, configuration, read_process_group
 from .remake_offloaded import recompute_evicted
 from .report import compile_report
 
@@ -54,7 +57,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             fused_optimizer: bool | None = None, max_grad_norm: float | None = None, norm_type: float = 2.0,
             accumulation_steps: int = 1, verbose: bool = True, cache: bool | str | os.PathLike = True,
             backward: bool = True, split: str | int = "auto", host_update: str = "off",
-            devices: int | list | None = None, **planner_options) -> MemGraph:
+            devices: int | list | None = None, process_group=None, **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
 
     budget: how much GPU memory the step may use (ir/budget.py):
@@ -137,6 +140,15 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     out["losses"] holds each device's loss and out["loss"] their mean. The planners see the devices as
     one device with N times the budget (plan_step says why that holds and what it misses). Not yet:
     accumulation_steps > 1 with devices, and sharding the weights read outside autocast.
+    process_group: the torch.distributed group of ranks (processes, each launched by torchrun with
+    this same call) the step runs over; default: the initialized world group, if any (one rank:
+    one process). Each rank runs `devices` devices on its own batch, as with DDP, and the step
+    equals eager's accumulation over every rank's micro-batches in rank order with DDP's averaging
+    (trace/ranks.py). Transfers between ranks are messages through the group (gloo on the CPU,
+    NCCL on CUDA), run in one order every rank shares. Every rank must call compile alike (checked:
+    the first difference is refused on every rank); rank 0's weights are broadcast first, as DDP
+    does. mg.state_dict() then holds this rank's share (the parameters and states it owns and the
+    weights it keeps). Not yet: random ops (dropout), and more than one GPU per rank.
     planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
     the ILP solver may run; default None, scaled to the problem: planners/driver.py's
     ilp_time_limit, 0.5 ms per binary variable, 15 ms with op costs measured on the GPU, within
@@ -155,6 +167,13 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
         check_options(planner, **{k: v for k, v in planner_options.items() if k != "costs"})
     device = target_device(device or default_device())
     device_count = read_devices(device, devices)
+    ranks = read_process_group(process_group, device)
+    if ranks is not None:
+        agree(ranks, configuration(model, example_batch, optimizer, device, device_count, budget, {
+            "planner": planner, "split": split, "max_grad_norm": max_grad_norm, "host_update": host_update,
+            "accumulation_steps": accumulation_steps, "fused_optimizer": fused_optimizer, "backward": backward,
+            **{k: v for k, v in planner_options.items() if k != "costs"}}), device)
+        broadcast_weights(model, ranks, device)
     measure_costs = planner != "none" or device_count > 1  # several devices: the simulator picks the build
     alignment = alignment or (256 if device.type == "cuda" else 64)
     started = time.perf_counter()
@@ -164,8 +183,13 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             step = trace_step(model, loss_fn, example_batch, optimizer=optimizer, device=device,
                               fused_optimizer=fused_optimizer, max_grad_norm=max_grad_norm, norm_type=norm_type,
                               accumulation_steps=accumulation_steps, backward=backward,
-                              loss_blocks=loss_blocks, donate=split != "auto", devices=device_count)
-            tg = step.finished()
+                              loss_blocks=loss_blocks, donate=split != "auto",
+                              devices=device_count * (ranks.count if ranks else 1))
+
+            def finished(casts_travel: bool = False) -> TaskGraph:
+                return this_rank(step.finished(casts_travel), ranks, device)
+
+            tg = finished()
             traced = None
             if split == "auto":  # kept as traced: its loss head is split if the budget needs it
                 traced, tg = tg, donated(tg)
@@ -188,18 +212,22 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             cpu_bytes = cpu_limit.bytes(peak) if cpu_limit is not None else None
             log.debug("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
                       time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
-            if tg.devices > 1 and planner != "none" and gpu_budget < CASTS_TRAVEL_BELOW * peak and step.casts_weights():
+            casts_travel = tg.devices * tg.ranks > 1 and planner != "none" and \
+                gpu_budget < CASTS_TRAVEL_BELOW * peak and step.casts_weights()
+            if ranks is not None:  # the step every rank slices must be one: any rank's need decides
+                casts_travel = any(ranks.exchange(casts_travel, device))
+            if casts_travel:
                 progress.describe("planning", "placing again: the weights' casts travel, not the weights")
                 log.info("budget %s is below %.0f%% of the unplanned peak %s: each weight's autocast cast is made "
                          "on its owner and sent, in place of a replica on every device", format_bytes(gpu_budget),
                          100 * CASTS_TRAVEL_BELOW, format_bytes(peak))
-                tg = step.finished(casts_travel=True)
+                tg = finished(casts_travel=True)
                 if split == "auto":
                     traced, tg = tg, donated(tg)
                 costs.annotate(tg)
                 keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=alignment, compact=True)
                 peak = unplanned_peak(keep_all)
-            if traced is not None and planner != "none" and tg.devices == 1 and \
+            if traced is not None and planner != "none" and tg.devices * tg.ranks == 1 and \
                     gpu_budget < smallest_budget(tg, alignment):
                 tg, loss_blocks = split_to_fit(traced, tg, gpu_budget, alignment, costs, progress)
             elif traced is not None and not backward and gpu_limit.size is not None:
@@ -280,6 +308,9 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                 mg.stats["cpu_budget_source"] = "host memory"
             # engine.run follows its hyperparameters (LR schedulers); its state exports to eager
             mg.optimizer = CompiledOptimizer(mg, optimizer) if optimizer is not None else None
+            if ranks is not None:
+                check_message_order(mg)
+                mg.process_group = ranks.group
             mg.initial_state = dict(tg.initial_state)
             mg.names = dict(tg.state_names)
             mg.device = str(device)
@@ -292,6 +323,17 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     if report_printed(verbose):
         print(report, file=sys.stderr)
     return mg
+
+
+def this_rank(tg: TaskGraph, ranks: Ranks | None, device: torch.device) -> TaskGraph:
+    """The step every rank traced, checked to be one, and this rank's share of it (trace/ranks.py);
+    on one process, the step."""
+    if ranks is None:
+        return tg
+    check_ranks(tg, ranks.count)
+    agree(ranks, {"traced step": taskgraph_digest(tg)}, device, what="the steps they traced")
+    # the updates right after their gradients (the planners' order), so their messages go out then
+    return rank_slice(tg, ranks.rank, ranks.count, order=step_order(tg))
 
 
 def undonated_if_it_fits(traced: TaskGraph, gpu_budget: int, alignment: int, costs) -> tuple | None:

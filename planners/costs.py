@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..ir.costs import HostLinks
-from ..ir.taskgraph import ScalarRef, TaskGraph, TensorRef, Vertex
+from ..ir.taskgraph import MESSAGE_OPS, RECV, ScalarRef, TaskGraph, TensorRef, Vertex
 from ..kernels.launch import writes_in_place
 from ..kernels.ops import resolve_op
 from . import measure
@@ -59,6 +59,9 @@ class DeviceSpec:
     default_flops: float = 50e12  # dtypes not in the table (integers, synthetic graphs)
     mem_bw: float = 3e12  # HBM bytes/s
     d2d: float = 300e9  # bytes/s from one device's memory to another's (NVLink; 394 measured on H100 NV18 pairs)
+    # bytes/s of a message between ranks (trace/ranks.py): another host's, through a 200 Gb/s NIC per GPU;
+    # compile's rank_bandwidth= gives the figure of the machines at hand
+    rank_link: float = 25e9
     # what the host moves over every device's link together (ir.costs.HostLinks): a CostModel of a
     # step over several CUDA devices measures it; the analytic default caps nothing
     host_links: HostLinks = field(default_factory=HostLinks)
@@ -281,7 +284,7 @@ class CostModel:
 
     def __init__(self, device: str | None = None, spec: DeviceSpec | None = None, measure: bool | None = None,
                  cache_dir: str | Path | None = None, runs: int = 7, warmup: int = 2,
-                 host_per_vertex: float | None = None, devices: int = 1):
+                 host_per_vertex: float | None = None, devices: int = 1, rank_bandwidth: float | None = None):
         import torch
 
         if host_per_vertex is not None and not (host_per_vertex >= 0 and math.isfinite(host_per_vertex)):
@@ -299,6 +302,9 @@ class CostModel:
         self.cache_hits = 0
         self._reserve: int | None = None
         self.devices = devices  # the step's device count: host_links is measured over that many links
+        if rank_bandwidth is not None and not (rank_bandwidth > 0 and math.isfinite(rank_bandwidth)):
+            raise ValueError(f"rank_bandwidth must be a finite number of bytes/s > 0, not {rank_bandwidth!r}")
+        self.rank_bandwidth = float(rank_bandwidth) if rank_bandwidth is not None else self.spec.rank_link
 
     # the cache is opened lazily: an analytic model never touches the disk
     @property
@@ -411,7 +417,11 @@ class CostModel:
         return nbytes / (self.h2d_bandwidth if direction == "h2d" else self.d2h_bandwidth)
 
     def estimate(self, tg: TaskGraph, vertex: Vertex) -> tuple[float, int]:
-        """(seconds, workspace bytes) of one vertex from the analytic model."""
+        """(seconds, workspace bytes) of one vertex from the analytic model; a message to or from
+        another rank, its bytes over the link between ranks."""
+        if vertex.op in MESSAGE_OPS:
+            moved = tg.values[vertex.outputs[0] if vertex.op == RECV else vertex.args[0].value].nbytes
+            return moved / self.rank_bandwidth + self.spec.launch, 0
         return analytic_time(tg, vertex, self.spec), analytic_workspace(tg, vertex)
 
     def annotate(self, tg: TaskGraph, overwrite: bool = False) -> TaskGraph:
@@ -419,6 +429,10 @@ class CostModel:
         unless overwrite (synthetic graphs set their own). Also sets the graph's runtime reserve."""
         tg.runtime_reserve = max(tg.runtime_reserve, self.runtime_reserve)
         todo = [v for v in tg.vertices if overwrite or v.time <= 0]
+        for v in todo:
+            if v.op in MESSAGE_OPS:  # priced, never run alone: it needs its peer
+                v.time, v.workspace = self.estimate(tg, v)
+        todo = [v for v in todo if v.op not in MESSAGE_OPS]
         if not todo:
             return tg
         if not self.measure:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..ir.taskgraph import TaskGraph
+from ..ir.taskgraph import MESSAGE_OPS, TaskGraph
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +157,11 @@ def step_order(tg: TaskGraph) -> list[int]:
     counter, and sharing would hold all of them (and so every gradient) to the end of the backward.
     """
     n = len(tg.vertices)
-    opt = [v.id for v in tg.vertices if v.phase == "optimizer"]
+    # a message to or from another rank keeps its place: every rank posts them in one order (trace/ranks.py)
+    is_opt = [v.phase == "optimizer" and v.op not in MESSAGE_OPS for v in tg.vertices]
+    opt = [v.id for v in tg.vertices if is_opt[v.id]]
     if not opt:
         return list(range(n))
-    is_opt = [v.phase == "optimizer" for v in tg.vertices]
     consumers = tg.consumers()
     trigger: dict[int, int] = {}
     for vid in opt:  # program order is topological: what vid waits for has its trigger already

@@ -1,0 +1,148 @@
+"""compile's ``process_group=``: the ranks a step runs on, made to agree before any of them plans.
+
+Every rank compiles its own MemGraph (trace/ranks.py gives it its share of the step), so what the
+ranks must share is settled here first, through the process group itself:
+
+- the configuration (devices per rank, device type, budget, the example batch's shapes, the model's
+  parameters, the optimizer), compared field by field against rank 0's, so a mismatch is refused
+  on every rank naming the first field that differs and the ranks that differ, where it would
+  otherwise pair messages of different sizes or hang;
+- the weights, broadcast from rank 0 (as DDP's constructor does), so every replica starts equal;
+- the traced step (its digest), and the one decision a rank makes from its own share that changes
+  the step every rank traces (whether the weights' casts travel, from the largest rank's peak).
+
+The exchanges carry JSON, never pickles: nothing a rank receives runs code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..ir.memgraph import MemGraph, Stream
+from ..ir.taskgraph import flatten_batch_structure
+from ..trace.errors import UnsupportedFeature
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The process group a step runs over, this process's rank in it, and their count."""
+
+    group: Any
+    rank: int
+    count: int
+    backend: str
+
+    def exchange(self, obj: Any, device: torch.device) -> list[Any]:
+        """Every rank's ``obj`` (JSON-able), in rank order."""
+        payload = torch.frombuffer(bytearray(json.dumps(obj, sort_keys=True).encode()), dtype=torch.uint8)
+        where = device if self.backend == "nccl" else torch.device("cpu")
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=where)
+        sizes = [torch.empty_like(size) for _ in range(self.count)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=where)
+        padded[:payload.numel()] = payload.to(where)
+        gathered = [torch.empty_like(padded) for _ in range(self.count)]
+        dist.all_gather(gathered, padded, group=self.group)
+        return [json.loads(bytes(g[:int(n.item())].cpu().tolist()).decode()) for g, n in zip(gathered, sizes)]
+
+
+def read_process_group(process_group, device: torch.device) -> Ranks | None:
+    """compile's ``process_group=`` checked: None (the default) is the initialized world group if
+    there is one; a group of one rank is one process."""
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        process_group = dist.group.WORLD
+    elif not (dist.is_available() and dist.is_initialized()):
+        raise UnsupportedFeature("process_group= was given but torch.distributed is not initialized: call "
+                                 "torch.distributed.init_process_group first (torchrun sets up its environment)")
+    count = dist.get_world_size(process_group)
+    if count == 1:
+        return None
+    backend = str(dist.get_backend(process_group)).lower()
+    wanted = "nccl" if device.type == "cuda" else "gloo"
+    if wanted not in backend:
+        raise UnsupportedFeature(f"a step on {device.type} over {count} ranks sends its messages through "
+                                 f"{wanted}; this process group's backend is {backend!r}: initialize it with "
+                                 f"backend={wanted!r}")
+    return Ranks(process_group, dist.get_rank(process_group), count, backend)
+
+
+def configuration(model: torch.nn.Module, example_batch, optimizer, device: torch.device, devices: int,
+                  budget, options: dict) -> dict:
+    """What every rank must give compile alike, as JSON: compared by `agree`."""
+    leaves, spec = flatten_batch_structure(example_batch)
+    return {
+        "device type": device.type,
+        "devices per rank": devices,
+        "budget": repr(budget),
+        "example batch": [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x) for x in leaves],
+        "example batch structure": str(spec),
+        "model parameters": [[name, list(t.shape), str(t.dtype), t.requires_grad]
+                             for name, t in model.named_parameters()],
+        "model buffers": [[name, list(t.shape), str(t.dtype)] for name, t in model.named_buffers()],
+        "optimizer": None if optimizer is None else [type(optimizer).__name__, [
+            {k: repr(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]],
+        "options": {k: repr(v) for k, v in sorted(options.items())},
+    }
+
+
+def agree(ranks: Ranks, mine: dict, device: torch.device, what: str = "compile's arguments") -> None:
+    """Refuse, on every rank alike, a ``mine`` that differs between ranks: naming the first field
+    that differs from rank 0's and the ranks whose value differs."""
+    every = ranks.exchange(mine, device)
+    for key in every[0]:
+        values = [json.dumps(r.get(key), sort_keys=True) for r in every]
+        differ = [r for r, v in enumerate(values) if v != values[0]]
+        if differ:
+            ours, theirs = every[0].get(key), every[differ[0]].get(key)
+            where = ""
+            if isinstance(ours, list) and isinstance(theirs, list):  # the first entry that differs
+                i = next(i for i in range(max(len(ours), len(theirs)))
+                         if i >= len(ours) or i >= len(theirs) or ours[i] != theirs[i])
+                where = f" at entry {i}"
+                ours = ours[i] if i < len(ours) else "nothing"
+                theirs = theirs[i] if i < len(theirs) else "nothing"
+            raise UnsupportedFeature(
+                f"the {ranks.count} ranks must compile alike, and {what} differ in {key!r}{where}: rank 0 has "
+                f"{_short(ours)}, rank {differ[0]} has {_short(theirs)}"
+                + (f" (ranks {differ} differ from rank 0)" if len(differ) > 1 else ""))
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def broadcast_weights(model: torch.nn.Module, ranks: Ranks, device: torch.device) -> None:
+    """rank 0's parameters and buffers into every rank's model, in place (as DDP's constructor)."""
+    source = dist.get_global_rank(ranks.group, 0)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if ranks.backend == "nccl" and tensor.device.type != "cuda":
+                moved = tensor.detach().to(device)
+                dist.broadcast(moved, src=source, group=ranks.group)
+                tensor.copy_(moved)
+            else:
+                dist.broadcast(tensor.detach(), src=source, group=ranks.group)
+
+
+def check_message_order(mg: MemGraph) -> None:
+    """A rank's MemGraph posts its messages in tag order (the engine runs them so, and every rank
+    the same): its serial order must have them so, or a rank would wait on a message it posts later."""
+    tasks = mg.taskgraph.vertices
+    tags = [tasks[mv.task_vertex].kwargs["tag"] for mv in (mg.vertices[vid] for vid in mg.serial)
+            if mv.stream is Stream.COMM]
+    if tags != sorted(tags):
+        first = next(i for i in range(1, len(tags)) if tags[i] < tags[i - 1])
+        raise RuntimeError(f"internal error: the built step of rank {mg.taskgraph.rank} posts message {tags[first]} "
+                           f"after message {tags[first - 1]}; its messages must keep the order every rank shares")

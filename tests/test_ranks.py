@@ -1,0 +1,146 @@
+"""Several ranks (processes, compile's process_group=, trace/ranks.py) through gloo on the CPU backend:
+each rank's step is its share of one step over every rank's devices, bitwise equal to eager
+accumulating every rank's micro-batches in rank order with DDP's averaging; a bad configuration is
+refused on every rank naming what differs; a rank that dies or hangs fails the others, naming it."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import multiprocessing
+import os
+import re
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from cases import make_case
+from test_devices import adamw, eager_data_parallel
+
+from turnip import engine, memgraph
+from turnip.ir.memgraph import Stream
+
+STEPS = 2
+TIMEOUT_S = 240  # a whole run of ranks; each compiles the step of every rank's devices on a 2-core machine
+
+
+def _run_ranks(target, ranks: int, tmp_path, *args, timeout: float = TIMEOUT_S, stop_after: int | None = None) -> list:
+    """Run ``target(rank, ranks, store, report, *args)`` in ``ranks`` spawned processes sharing a gloo
+    group; return each rank's report (what it wrote, or its traceback). stop_after: once that rank has
+    reported, stop the others (a rank made to hang)."""
+    ctx = multiprocessing.get_context("spawn")
+    run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"  # a fresh store per run: gloo's file store is single-use
+    run.mkdir()
+    store = str(run / "store")
+    reports = [str(run / f"rank{r}.txt") for r in range(ranks)]
+    procs = [ctx.Process(target=_guarded, args=(target, r, ranks, store, reports[r], *args)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs if stop_after is None else [procs[stop_after]]:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [open(path).read() if os.path.exists(path) else "no report" for path in reports]
+
+
+def _guarded(target, rank, ranks, store, report, *args) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks,
+                            timeout=datetime.timedelta(seconds=20))
+    try:
+        text = target(rank, ranks, *args)
+    except BaseException:  # noqa: BLE001 - the parent reads the failure from the report
+        text = "raised: " + traceback.format_exc()
+    with open(report, "w") as f:
+        f.write(text or "ok")
+    os._exit(0)  # not destroy_process_group: a peer may be gone, and its barrier would wait for it
+
+
+def _matches_eager(rank: int, ranks: int, local: int, budgets: list) -> str:
+    model, loss_fn, batches = make_case("gpt")
+    total = ranks * local
+    steps = [[batches[(s * total + d) % len(batches)] for d in range(total)] for s in range(STEPS)]
+    want_state, want_losses = eager_data_parallel(model, loss_fn, steps, adamw)
+    facts = []
+    for budget in budgets:
+        mine = copy.deepcopy(model)
+        mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu",
+                              devices=local, budget=budget, verbose=False)
+        problems = memgraph.verify(mg)
+        assert problems == [], problems[:3]
+        assert (mg.taskgraph.rank, mg.taskgraph.ranks, mg.taskgraph.devices) == (rank, ranks, local)
+        assert any(mv.stream is Stream.COMM for mv in mg.vertices)
+        for ordering in ("deterministic", "random"):
+            for micro, want in zip(steps, want_losses):
+                mine_micro = micro[rank * local:(rank + 1) * local]
+                out = engine.run(mg, mine_micro if local > 1 else mine_micro[0], ordering=ordering, seed=rank + 5)
+                mean = want[0]
+                for loss in want[1:]:
+                    mean = mean + loss
+                assert torch.equal(out["loss"], mean / total), (budget, ordering, out["loss"], mean / total)
+                assert torch.equal(out["losses"], want)
+            got = mg.state_dict()
+            for key, tensor in got.items():
+                assert torch.equal(tensor, want_state[key]), (budget, ordering, key)
+            facts.append(f"{budget}/{ordering}: {len(got)} entries, {mg.summary()['bytes_offloaded']} B offloaded")
+            mg.release(keep=False)
+    return "ok " + "; ".join(facts)
+
+
+@pytest.mark.parametrize("ranks, local", [(2, 1), (2, 2), (3, 1), (3, 2)])
+def test_ranks_are_eagers_accumulation_over_every_rank_bitwise(tmp_path, ranks, local):
+    reports = _run_ranks(_matches_eager, ranks, tmp_path, local, [None, 0.6])
+    for rank, text in enumerate(reports):
+        assert text.startswith("ok"), f"rank {rank}: {text}"
+    offloaded = [int(re.findall(r"(\d+) B offloaded", text)[-1]) for text in reports]
+    assert min(offloaded) > 0, offloaded  # 60% really offloads, on every rank
+
+
+def _compiles_with(rank: int, ranks: int, budgets: list, widths: list) -> str:
+    model, loss_fn, batches = make_case("mlp")
+    if widths[rank] != widths[0]:
+        model.out = torch.nn.Linear(model.out.in_features, widths[rank])
+    memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(model.parameters()), device="cpu",
+                     budget=budgets[rank], verbose=False)
+    return "compiled"
+
+
+def test_ranks_compiling_differently_are_refused_naming_what_differs(tmp_path):
+    reports = _run_ranks(_compiles_with, 2, tmp_path, [None, 0.5], [10, 10])
+    for text in reports:
+        assert "UnsupportedFeature" in text and "differ in 'budget'" in text and "rank 1 has" in text, text
+    reports = _run_ranks(_compiles_with, 2, tmp_path, [None, None], [10, 12])
+    for text in reports:
+        assert "differ in 'model parameters'" in text, text
+
+
+def _one_fails(rank: int, ranks: int, how: str) -> str:
+    model, loss_fn, batches = make_case("mlp")
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(model.parameters()), device="cpu",
+                          verbose=False)
+    engine.run(mg, batches[rank])  # a whole step on every rank first
+    if rank == 1:
+        if how == "dies":
+            os._exit(3)
+        time.sleep(120)  # hangs: the parent stops it once rank 0 has reported
+    started = time.monotonic()
+    try:
+        engine.run(mg, batches[rank])
+    except Exception as err:  # noqa: BLE001 - what the user sees is the point
+        return f"failed after {time.monotonic() - started:.1f}s: {type(err).__name__}: {err}"
+    return "ran"
+
+
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_a_rank_that_dies_or_hangs_fails_the_others_naming_it(tmp_path, how):
+    rank0 = _run_ranks(_one_fails, 2, tmp_path, how, stop_after=0)[0]
+    assert rank0.startswith("failed after"), rank0
+    assert "rank 1" in rank0, rank0
+    seconds = float(rank0.split()[2].rstrip("s:"))
+    assert seconds < 60, rank0  # the group's timeout is 20 s

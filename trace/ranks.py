@@ -1,0 +1,131 @@
+"""Several processes (ranks, launched by torchrun): one rank's share of a step traced over every device.
+
+Every rank traces the same step over all ranks' devices (``ranks x local`` of them, rank-major:
+global device ``g`` is device ``g % local`` of rank ``g // local``), placed by
+trace/data_parallel.py exactly as one process with that many devices would place it. So the
+arithmetic is eager's accumulation over every rank's micro-batches, in rank order, then DDP's
+division by their count, and each parameter has one owner among all devices.
+
+`rank_slice` then keeps what runs on this rank's devices, renumbered 0..local-1. A transfer
+between devices of two ranks becomes a pair of *messages*: on the sending rank a ``turnip::send``
+vertex reading the value, on the receiving rank a ``turnip::recv`` vertex making it. Each message
+carries its peer and its *tag*, its position among all the step's messages in program order, which
+is the same on every rank since every rank slices the same graph: the engine runs a rank's messages
+on one lane in tag order (torch.distributed pairs sends with receives in the order each pair of
+ranks posts them; NCCL requires it). The step's outputs (the losses) are sent to every rank, so each
+returns them as one process would.
+
+Gradients cross ranks as they cross devices: each device's bucket of gradients goes to the
+parameter's owner, which sums them in device order. The owner receives every other device's
+bucket, the bytes a reduce-scatter moves with one device per rank, and the sum is eager's order
+bitwise, which a ring or tree reduction is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..ir.taskgraph import MESSAGE_OPS, RECV, SEND, TaskGraph, Value, ValueKind, map_refs
+from ..kernels.ops import draws
+from .errors import UnsupportedFeature
+
+
+def check_ranks(tg: TaskGraph, ranks: int) -> None:
+    """What a step over several ranks cannot do yet, refused before any work."""
+    drawn = [v for v in tg.vertices if draws(v)]
+    if drawn:
+        first = drawn[0]
+        raise UnsupportedFeature(
+            f"{first.op} in {first.module or 'the step'} draws random numbers, and a step over {ranks} ranks "
+            f"cannot draw them as eager's loop over every rank's micro-batches would (each rank has its own "
+            f"generator): not supported yet; train without dropout, or on one host (devices=)")
+
+
+def rank_slice(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = None) -> TaskGraph:
+    """Rank ``rank``'s share of ``tg`` (placed over ``ranks`` ranks' devices, rank-major): its devices'
+    vertices and values renumbered from 0, messages in place of transfers from and to other ranks.
+    ``order``: a topological order of ``tg``'s vertices to keep them in (default: program order);
+    the messages' tags follow it."""
+    if tg.devices % ranks:
+        raise ValueError(f"{tg.devices} devices do not divide among {ranks} ranks")
+    local = tg.devices // ranks
+    traced = len(tg.vertices)
+    tg, sent = _outputs_sent_to_every_rank(tg, ranks)
+    order = [*(order if order is not None else range(traced)), *range(traced, len(tg.vertices))]
+    rank_of = [v.device // local for v in tg.values]
+    out = dataclasses.replace(tg, values=[], vertices=[], devices=local, rank=rank, ranks=ranks)
+    new_id: dict[int, int] = {}
+
+    def kept(val: Value) -> int:
+        if val.id not in new_id:
+            new_id[val.id] = out.add_value(val.shape, val.stride, val.dtype, val.nbytes, val.kind,
+                                           name=val.name, device=val.device % local)
+        return new_id[val.id]
+
+    for val in tg.values:  # inputs first, in their order: the batch's leaves, the weights
+        if val.kind.is_input and rank_of[val.id] == rank:
+            kept(val)
+
+    def ref(r):
+        return dataclasses.replace(r, value=new_id[r.value])
+
+    tag = 0
+    for vid in order:
+        vertex = tg.vertices[vid]
+        source = tg.transfer_source(vertex)
+        if source is not None and rank_of[source] != vertex.device // local:
+            sender, receiver = rank_of[source], vertex.device // local
+            if vertex.op != "aten::_to_copy" or vertex.kwargs or \
+                    tg.values[vertex.outputs[0]].dtype != tg.values[source].dtype:
+                raise UnsupportedFeature(f"vertex {vertex.id} ({vertex.op}) moves a value between ranks "
+                                         f"{sender} and {receiver} as more than a plain copy")
+            if sender == rank:
+                val = tg.values[source]
+                out.add_vertex(SEND, (dataclasses.replace(val.dense_ref, value=new_id[source]),),
+                               {"peer": receiver, "tag": tag}, (), module=vertex.module, phase=vertex.phase,
+                               device=val.device % local)
+            elif receiver == rank:
+                got = kept(tg.values[vertex.outputs[0]])
+                out.add_vertex(RECV, (), {"peer": sender, "tag": tag}, (got,), module=vertex.module,
+                               phase=vertex.phase, device=vertex.device % local)
+            tag += 1
+            continue
+        if vertex.device // local != rank:
+            continue
+        for o in vertex.outputs:
+            if o >= 0:
+                kept(tg.values[o])
+        out.add_copy(vertex, args=map_refs(vertex.args, ref), kwargs=map_refs(vertex.kwargs, ref),
+                     outputs=tuple(new_id[o] if o >= 0 else o for o in vertex.outputs),
+                     copy_in=tuple((new_id[a], new_id[b]) for a, b in vertex.copy_in),
+                     device=vertex.device % local)
+    out.outputs = {name: new_id[sent.get((name, rank), x)] for name, x in tg.outputs.items()}
+    out.bindings = {new_id[a]: new_id[b] for a, b in tg.bindings.items() if a in new_id}
+    out.batch_inputs = [new_id[x] for x in tg.batch_inputs if x in new_id]
+    out.initial_state = {new_id[x]: t for x, t in tg.initial_state.items() if x in new_id}
+    out.state_names = {name: new_id[x] for name, x in tg.state_names.items() if x in new_id}
+    out.validate()
+    return out
+
+
+def _outputs_sent_to_every_rank(tg: TaskGraph, ranks: int) -> tuple[TaskGraph, dict[tuple[str, int], int]]:
+    """(``tg`` with a copy of each output on the first device of every rank that does not hold it;
+    (output name, rank) -> that copy)."""
+    local = tg.devices // ranks
+    tg = tg.copy()
+    sent: dict[tuple[str, int], int] = {}
+    for name, x in tg.outputs.items():
+        val = tg.values[x]
+        for rank in range(ranks):
+            if val.device // local == rank:
+                continue
+            got = tg.add_value(val.shape, val.stride, val.dtype, val.nbytes, ValueKind.INTERMEDIATE,
+                               name=val.name, device=rank * local)
+            tg.add_vertex("aten::_to_copy", (val.dense_ref,), {}, (got,), phase="optimizer", device=rank * local)
+            sent[(name, rank)] = got
+    return tg, sent
+
+
+def messages(tg: TaskGraph) -> list[int]:
+    """The vertices of a rank's graph that send or receive, in tag order."""
+    return sorted((v.id for v in tg.vertices if v.op in MESSAGE_OPS), key=lambda vid: tg.vertices[vid].kwargs["tag"])
