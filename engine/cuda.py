@@ -81,7 +81,10 @@ class CudaRuntime(Runtime):
         self.huge_pages = huge_pages  # pinned storage from huge pages (pinned_bytes), for comparison
         self.transfer_depth = CUDA_TRANSFER_AHEAD  # set per step by engine.run's transfer_ahead
         self.mg = mg
-        self.rng = RngReplay(mg.taskgraph, torch.device("cuda", arena_devices(mg)[0]))
+        # the step's device d is GPU first + d: a rank's MemGraph compiled for cuda:1 runs there (torchrun's
+        # LOCAL_RANK), and a MemGraph over several devices for cuda:k runs on cuda:k, cuda:k + 1, ...
+        self.first_gpu = torch.device(mg.device).index or 0
+        self.rng = RngReplay(mg.taskgraph, self.gpu(arena_devices(mg)[0]))
         self.rng.measure()  # before the arena exists (RngReplay.measure)
         super().__init__(mg)
         graph = self.graph
@@ -120,11 +123,15 @@ class CudaRuntime(Runtime):
         self._host_token = StepToken()  # this step's host-lane units
         self._rng_before: torch.Tensor | None = None  # the generator's state before the step moved it
         for dev in self.devices:  # the initial state was written on each device's default stream
-            torch.cuda.synchronize(dev)
+            torch.cuda.synchronize(self.gpu(dev))
+
+    def gpu(self, device: int) -> torch.device:
+        """The GPU of the step's device ``device``."""
+        return torch.device("cuda", self.first_gpu + device)
 
     def _allocate(self, mg: MemGraph) -> None:
         for dev in self.devices:
-            self.arenas[dev] = torch.empty(mg.arena_bytes, dtype=torch.uint8, device=torch.device("cuda", dev))
+            self.arenas[dev] = torch.empty(mg.arena_bytes, dtype=torch.uint8, device=self.gpu(dev))
         self.storage = pinned_bytes(mg.cpu_bytes, self.huge_pages)
         self._pinned = mg.cpu_bytes > 0  # registered with CUDA: unregister before the bytes go back to the heap
         log.info("cuda runtime: arena %d bytes on %s, pinned storage %d bytes", mg.arena_bytes, self.devices,
@@ -134,7 +141,7 @@ class CudaRuntime(Runtime):
     def begin_step(self, mg: MemGraph, leaves: list, step: int) -> None:
         self._started = []
         self._host_token = StepToken()
-        device = torch.device("cuda", self.devices[0])
+        device = self.gpu(self.devices[0])
         # the step moves the generator as eager's would: put back if the step stops
         self._rng_before = self.rng.checkpoint()
         self._ctx = StepContext(mg.taskgraph, step, device, self.rng)
@@ -148,7 +155,7 @@ class CudaRuntime(Runtime):
         self._shared_keys = [n > 1 for n in self.stream_sizes]  # read only when not _record_every
         self._caller_stream = self._current = torch.cuda.current_stream()
         # launches make the lanes' streams current on their devices: each device gets its own back at the end
-        self._caller_streams = [torch.cuda.current_stream(torch.device("cuda", d)) for d in self.devices]
+        self._caller_streams = [torch.cuda.current_stream(self.gpu(d)) for d in self.devices]
         self._batch_ready.record()  # the batch may come from work queued on the caller's stream
         if self.timing and self._timers is None:
             self._timers = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -158,7 +165,7 @@ class CudaRuntime(Runtime):
             self._origin = {d: torch.cuda.Event(enable_timing=True) for d in self.devices}
         if self.timing:
             for d, event in self._origin.items():
-                event.record(torch.cuda.current_stream(torch.device("cuda", d)))
+                event.record(torch.cuda.current_stream(self.gpu(d)))
             self.launched = {}
 
     def _finish(self) -> None:
@@ -285,7 +292,7 @@ class CudaRuntime(Runtime):
             stream_class, dev = self.graph.keys[item.key]
             compute = stream_class is Stream.COMPUTE
             stream = (HostStream(f"turnip-host-{item.instance}", host_threads()) if stream_class is Stream.HOST
-                      else torch.cuda.Stream(device=torch.device("cuda", dev)))
+                      else torch.cuda.Stream(device=self.gpu(dev)))
             lane = Lane(stream, compute, self._depth(stream_class))
             self.lanes[(item.key, item.instance)] = lane
             if compute:
@@ -309,7 +316,7 @@ class CudaRuntime(Runtime):
         if source is not None:
             outgoing = self._outgoing.get(source)
             if outgoing is None:
-                outgoing = self._outgoing[source] = torch.cuda.Stream(device=torch.device("cuda", source))
+                outgoing = self._outgoing[source] = torch.cuda.Stream(device=self.gpu(source))
             torch.cuda.set_stream(outgoing)
             self._current = outgoing
         if self._current is not stream:  # cheaper than a stream context per launch
@@ -370,7 +377,7 @@ class CudaRuntime(Runtime):
     def run_compute(self, vid: int, prepared: PreparedVertex) -> None:
         ctx = self._ctx
         # a random op draws from its own GPU's generator, set to the state eager's one generator had
-        device = ctx.device if not prepared.vertex.device else torch.device("cuda", prepared.vertex.device)
+        device = ctx.device if not prepared.vertex.device else self.gpu(prepared.vertex.device)
         prepared(ctx.scalars, ctx.rng_state(prepared.vertex), device)
 
     def run_transfer(self, vid: int, pairs: tuple) -> None:

@@ -2,7 +2,7 @@
 
 A ``.mg`` file is a zip archive of exactly two members:
 
-- ``graph.json``: ``{"format": "turnip.memgraph", "version": 6, "memgraph": ...}``,
+- ``graph.json``: ``{"format": "turnip.memgraph", "version": 7, "memgraph": ...}``,
   the MemGraph (with its TaskGraph, Plan and OptimizerSpec) as tagged JSON;
 - ``state.safetensors``: every tensor the graph holds (initial states), named
   by number; ``graph.json`` refers to them as ``{"t": "tensor", "v": "<name>"}``.

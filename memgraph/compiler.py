@@ -22,19 +22,28 @@ from ..ir.plan import Plan
 from ..ir.taskgraph import TaskGraph
 from ..planners.cache import CachedPlan, PlanCache, plan_key, taskgraph_digest
 from ..planners.costs import default_costs
-from ..planners.model import step_order
 from ..planners.driver import check_options, plan_candidates, run_plan, smallest_budget
 from ..planners.host_update import check_mode as check_host_update
 from ..planners.host_update import fused_updates, host_update_candidates
 from ..planners.measure import device_name
+from ..planners.model import step_order
 from ..trace.data_parallel import read_devices
+from ..trace.errors import UnsupportedFeature
 from ..trace.passes import DONATE, run_passes
 from ..trace.ranks import check_ranks, rank_slice
 from ..trace.split_loss import split_loss_head
 from ..trace.tracer import check_clipping, target_device, trace_step
 from .builder import build, build_walks
 from .progress import Phases, stderr_is_terminal
-from .ranks import Ranks, agree, broadcast_weights, check_message_order, configuration, read_process_group
+from .ranks import (
+    Ranks,
+    agree,
+    broadcast_weights,
+    check_message_order,
+    configuration,
+    measure_rank_bandwidth,
+    read_process_group,
+)
 from .remake_offloaded import recompute_evicted
 from .report import compile_report
 
@@ -57,7 +66,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             fused_optimizer: bool | None = None, max_grad_norm: float | None = None, norm_type: float = 2.0,
             accumulation_steps: int = 1, verbose: bool = True, cache: bool | str | os.PathLike = True,
             backward: bool = True, split: str | int = "auto", host_update: str = "off",
-            devices: int | list | None = None, process_group=None, **planner_options) -> MemGraph:
+            devices: int | list | None = None, process_group=None, rank_bandwidth: float | None = None,
+            **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
 
     budget: how much GPU memory the step may use (ir/budget.py):
@@ -148,7 +158,11 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     NCCL on CUDA), run in one order every rank shares. Every rank must call compile alike (checked:
     the first difference is refused on every rank); rank 0's weights are broadcast first, as DDP
     does. mg.state_dict() then holds this rank's share (the parameters and states it owns and the
-    weights it keeps). Not yet: random ops (dropout), and more than one GPU per rank.
+    weights it keeps). On CUDA, each rank compiles for its own GPU (device="cuda:<LOCAL_RANK>").
+    rank_bandwidth: bytes/s of a message between two ranks, for the planners and the simulator;
+    default: measured between ranks 0 and 1 at compile on CUDA (memgraph/ranks.py), the spec's
+    25 GB/s (a 200 Gb/s NIC) on the CPU. Not yet: random ops (dropout), and more than one GPU
+    per rank on CUDA.
     planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
     the ILP solver may run; default None, scaled to the problem: planners/driver.py's
     ilp_time_limit, 0.5 ms per binary variable, 15 ms with op costs measured on the GPU, within
@@ -168,6 +182,12 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     device = target_device(device or default_device())
     device_count = read_devices(device, devices)
     ranks = read_process_group(process_group, device)
+    if ranks is not None and device.type == "cuda":
+        if device_count > 1:
+            raise UnsupportedFeature(f"devices={device_count} GPUs per rank: not supported yet over several ranks; "
+                                     f"launch one rank per GPU (torchrun --nproc_per_node=<GPUs per host>)")
+        if device.index is None:  # torchrun's ranks each set their own GPU current (LOCAL_RANK)
+            device = torch.device("cuda", torch.cuda.current_device())
     if ranks is not None:
         agree(ranks, configuration(model, example_batch, optimizer, device, device_count, budget, {
             "planner": planner, "split": split, "max_grad_norm": max_grad_norm, "host_update": host_update,
@@ -200,7 +220,9 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
         costs = planner_options.pop("costs", None)
         if measure_costs:  # op times and workspace first: the unplanned peak includes workspace
             with progress.phase("measuring op costs"):
-                costs = costs if costs is not None else default_costs(tg)
+                if ranks is not None and rank_bandwidth is None and device.type == "cuda":
+                    rank_bandwidth = measure_rank_bandwidth(ranks, device)
+                costs = costs if costs is not None else default_costs(tg, rank_bandwidth)
                 costs.annotate(tg)
         else:
             progress.skip("measuring op costs")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,3 +147,36 @@ def check_message_order(mg: MemGraph) -> None:
         first = next(i for i in range(1, len(tags)) if tags[i] < tags[i - 1])
         raise RuntimeError(f"internal error: the built step of rank {mg.taskgraph.rank} posts message {tags[first]} "
                            f"after message {tags[first - 1]}; its messages must keep the order every rank shares")
+
+
+RANK_LINK_BYTES = 256 << 20
+RANK_LINK_RUNS = 3
+
+
+def measure_rank_bandwidth(ranks: Ranks, device: torch.device) -> float:
+    """Bytes/s of a message between ranks 0 and 1 (each way, by a round trip of RANK_LINK_BYTES, the
+    best of RANK_LINK_RUNS), as every rank learns it from rank 0: the planners' and the simulator's
+    figure for every pair of ranks."""
+    seconds = 0.0
+    if ranks.rank < 2:
+        peer = 1 - ranks.rank
+        payload = torch.empty(RANK_LINK_BYTES, dtype=torch.uint8, device=device)
+        best = float("inf")
+        for run in range(RANK_LINK_RUNS + 1):  # the first round sets up the pair's communicator
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            for turn in (0, 1):
+                if ranks.rank == turn:
+                    dist.send(payload, group=ranks.group, group_dst=peer)
+                else:
+                    dist.recv(payload, group=ranks.group, group_src=peer)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if run:
+                best = min(best, time.perf_counter() - started)
+        seconds = best / 2
+    measured = ranks.exchange(seconds, device)[0]
+    bandwidth = RANK_LINK_BYTES / measured
+    log.info("messages between ranks: %.1f GB/s each way (measured between ranks 0 and 1)", bandwidth / 1e9)
+    return bandwidth

@@ -474,6 +474,7 @@ class CostModel:
                 v.time, v.workspace = float(entry["time"]), int(entry["workspace"])
 
 
-def default_costs(tg: TaskGraph) -> CostModel:
-    """Measured on the graph's device when it is a present CUDA device, analytic otherwise."""
-    return CostModel(device=tg.device, devices=tg.devices)
+def default_costs(tg: TaskGraph, rank_bandwidth: float | None = None) -> CostModel:
+    """Measured on the graph's device when it is a present CUDA device, analytic otherwise;
+    ``rank_bandwidth``: bytes/s of a message between ranks (default: the spec's)."""
+    return CostModel(device=tg.device, devices=tg.devices, rank_bandwidth=rank_bandwidth)

@@ -18,24 +18,26 @@ import torch
 import torch.distributed as dist
 from cases import make_case
 from test_devices import adamw, eager_data_parallel
+from turnip.ir.memgraph import Stream
 
 from turnip import engine, memgraph
-from turnip.ir.memgraph import Stream
 
 STEPS = 2
 TIMEOUT_S = 240  # a whole run of ranks; each compiles the step of every rank's devices on a 2-core machine
 
 
-def _run_ranks(target, ranks: int, tmp_path, *args, timeout: float = TIMEOUT_S, stop_after: int | None = None) -> list:
-    """Run ``target(rank, ranks, store, report, *args)`` in ``ranks`` spawned processes sharing a gloo
-    group; return each rank's report (what it wrote, or its traceback). stop_after: once that rank has
-    reported, stop the others (a rank made to hang)."""
+def run_ranks(target, ranks: int, tmp_path, *args, timeout: float = TIMEOUT_S, stop_after: int | None = None,
+              backend: str = "gloo") -> list:
+    """Run ``target(rank, ranks, *args)`` in ``ranks`` spawned processes sharing a process group of
+    ``backend`` (NCCL: rank r on cuda:r); return each rank's report (what it returned, or its
+    traceback). stop_after: once that rank has reported, stop the others (a rank made to hang)."""
     ctx = multiprocessing.get_context("spawn")
     run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"  # a fresh store per run: gloo's file store is single-use
     run.mkdir()
     store = str(run / "store")
     reports = [str(run / f"rank{r}.txt") for r in range(ranks)]
-    procs = [ctx.Process(target=_guarded, args=(target, r, ranks, store, reports[r], *args)) for r in range(ranks)]
+    procs = [ctx.Process(target=_guarded, args=(target, backend, r, ranks, store, reports[r], *args))
+             for r in range(ranks)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -50,8 +52,10 @@ def _run_ranks(target, ranks: int, tmp_path, *args, timeout: float = TIMEOUT_S, 
     return [open(path).read() if os.path.exists(path) else "no report" for path in reports]
 
 
-def _guarded(target, rank, ranks, store, report, *args) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks,
+def _guarded(target, backend, rank, ranks, store, report, *args) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=ranks,
                             timeout=datetime.timedelta(seconds=20))
     try:
         text = target(rank, ranks, *args)
@@ -95,7 +99,7 @@ def _matches_eager(rank: int, ranks: int, local: int, budgets: list) -> str:
 
 @pytest.mark.parametrize("ranks, local", [(2, 1), (2, 2), (3, 1), (3, 2)])
 def test_ranks_are_eagers_accumulation_over_every_rank_bitwise(tmp_path, ranks, local):
-    reports = _run_ranks(_matches_eager, ranks, tmp_path, local, [None, 0.6])
+    reports = run_ranks(_matches_eager, ranks, tmp_path, local, [None, 0.6])
     for rank, text in enumerate(reports):
         assert text.startswith("ok"), f"rank {rank}: {text}"
     offloaded = [int(re.findall(r"(\d+) B offloaded", text)[-1]) for text in reports]
@@ -112,10 +116,10 @@ def _compiles_with(rank: int, ranks: int, budgets: list, widths: list) -> str:
 
 
 def test_ranks_compiling_differently_are_refused_naming_what_differs(tmp_path):
-    reports = _run_ranks(_compiles_with, 2, tmp_path, [None, 0.5], [10, 10])
+    reports = run_ranks(_compiles_with, 2, tmp_path, [None, 0.5], [10, 10])
     for text in reports:
         assert "UnsupportedFeature" in text and "differ in 'budget'" in text and "rank 1 has" in text, text
-    reports = _run_ranks(_compiles_with, 2, tmp_path, [None, None], [10, 12])
+    reports = run_ranks(_compiles_with, 2, tmp_path, [None, None], [10, 12])
     for text in reports:
         assert "differ in 'model parameters'" in text, text
 
@@ -139,7 +143,7 @@ def _one_fails(rank: int, ranks: int, how: str) -> str:
 
 @pytest.mark.parametrize("how", ["dies", "hangs"])
 def test_a_rank_that_dies_or_hangs_fails_the_others_naming_it(tmp_path, how):
-    rank0 = _run_ranks(_one_fails, 2, tmp_path, how, stop_after=0)[0]
+    rank0 = run_ranks(_one_fails, 2, tmp_path, how, stop_after=0)[0]
     assert rank0.startswith("failed after"), rank0
     assert "rank 1" in rank0, rank0
     seconds = float(rank0.split()[2].rstrip("s:"))

@@ -47,7 +47,8 @@ OOM_TEXT = ("CUDA out of memory", "OutOfMemoryError")
 
 
 def default_systems(devices: int) -> tuple[str, ...]:
-    """The systems run_all runs on ``devices`` GPUs when not told otherwise (ddp-foreach only by name)."""
+    """The systems run_all runs on ``devices`` GPUs when not told otherwise (ddp-foreach and turnip-ranks, turnip
+    itself over ranks, only by name)."""
     if devices < 1:
         raise ValueError(f"devices must be at least 1, got {devices}")
     return ONE_GPU_SYSTEMS if devices == 1 else DEFAULT_SYSTEMS
@@ -64,7 +65,8 @@ def worker_env(devices: int) -> dict[str, str]:
 
 def command(system: str, model: str, devices: int, out: Path, *, steps: int, warmup: int, batch: int | None,
             tiny: bool, device: str, snapshot: str | None, deadline: float | None,
-            save_weights: str | Path | None, log_dir: Path | None = None) -> list[str]:
+            save_weights: str | Path | None, log_dir: Path | None = None, budget: float | None = None,
+            planner: str | None = None) -> list[str]:
     """The torchrun command line of one run (what a user types, with ``torchrun`` for the first four words).
     ``log_dir``: each rank's output also goes to a file of its own there (rank_logs reads them)."""
     logs = ["--log-dir", str(log_dir), "--redirects", "3", "--tee", "3"] if log_dir is not None else []
@@ -72,7 +74,7 @@ def command(system: str, model: str, devices: int, out: Path, *, steps: int, war
            "-m", WORKER, "--system", system, "--model", model, "--steps", str(steps), "--warmup", str(warmup),
            "--device", device, "--out", str(out)]
     for flag, value in (("--batch", batch), ("--snapshot", snapshot), ("--deadline", deadline),
-                        ("--save-weights", save_weights)):
+                        ("--save-weights", save_weights), ("--budget", budget), ("--planner", planner)):
         if value is not None:
             cmd += [flag, str(value)]
     return cmd + (["--tiny"] if tiny else [])
@@ -194,13 +196,15 @@ def failure_row(system: str, devices: int, out: Path, tail, *, killed: bool, lim
 def run_distributed(system: str, model: str, devices: int, *, steps: int = 5, warmup: int = 2,
                     batch: int | None = None, tiny: bool = False, device: str | None = None,
                     limit_s: float = 600.0, snapshot: str | None = None,
-                    save_weights: str | Path | None = None) -> dict:
+                    save_weights: str | Path | None = None, budget: float | None = None,
+                    planner: str | None = None) -> dict:
     """Train ``system`` on ``devices`` GPUs (gloo processes on the CPU) in its own torchrun; its row.
 
     ``batch`` is per GPU (default: the workload's), ``snapshot`` the suite's weights file
     (peers/isolated.write_snapshot), ``save_weights`` a path for rank 0's final weights (ddp and fsdp2
     systems; the tests). The ranks stop timing a little before ``limit_s`` so a slow system still reports
-    the steps it timed; at ``limit_s`` everything is killed and the row is a timeout.
+    the steps it timed; at ``limit_s`` everything is killed and the row is a timeout. ``budget`` and
+    ``planner``: the turnip system's (per GPU: bytes, or a fraction of its unplanned peak).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     refused = refusal(system, device)  # raises for an unknown system
@@ -215,7 +219,7 @@ def run_distributed(system: str, model: str, devices: int, *, steps: int = 5, wa
         out = Path(folder) / "row.json"
         cmd = command(system, model, devices, out, steps=steps, warmup=warmup, batch=batch, tiny=tiny,
                       device=device, snapshot=snapshot, deadline=time.time() + limit_s - margin,
-                      save_weights=save_weights, log_dir=Path(folder) / "logs")
+                      save_weights=save_weights, log_dir=Path(folder) / "logs", budget=budget, planner=planner)
         log.info("%s on %d devices: %s (limit %.0fs)", system, devices, " ".join(cmd[1:]), limit_s)
         # torchrun runs each rank in a session of its own: kill_tree finds them (stragglers too, after an exit)
         ran = run_limited(cmd, worker_env(devices), limit_s, lambda line: log.info("[%s] %s", system, line),

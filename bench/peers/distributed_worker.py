@@ -18,6 +18,9 @@ fsdp2-offload-ckpt   fully_shard with CPUOffloadPolicy(pin_memory=True) + checkp
                      steps on the CPU
 zero2-offload        DeepSpeed ZeRO stage 2, optimizer states in pinned CPU memory, + checkpointing
 zero3-offload        DeepSpeed ZeRO stage 3, parameters and optimizer in pinned CPU memory, + checkpointing
+turnip-ranks         turnip over the ranks (compile's process_group=, one GPU per rank), at ``--budget`` per
+                     GPU (bytes, or a fraction of the rank's unplanned peak) with ``--planner``: the workload's
+                     AdamW traced (fused on CUDA), messages between ranks through the process group
 
 Without CUDA, ddp* and fsdp2 / fsdp2-ckpt run on the gloo backend (tiny models: the tests); the offloading
 systems need CUDA and DeepSpeed its package, and their row says so ("skipped", "not installed").
@@ -45,6 +48,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ... import engine, memgraph
+from ...ir.memgraph import Stream
 from .checkpoint import checkpoint_blocks, find_blocks
 from .common import (
     EAGER_MATH,
@@ -72,7 +77,7 @@ log = logging.getLogger(__name__)
 class System:
     """How one multi-GPU peer wraps the model and where it keeps what."""
 
-    kind: str  # "ddp", "fsdp2" or "deepspeed"
+    kind: str  # "ddp", "fsdp2", "deepspeed" or "turnip"
     checkpoint: bool = False  # per-block activation checkpointing
     fused: bool = True  # AdamW(fused=True) on CUDA; False: torch's default AdamW (foreach)
     offload: bool = False  # parameters and/or optimizer states in pinned host memory
@@ -93,6 +98,7 @@ SYSTEMS = {
     "fsdp2-offload-ckpt": System("fsdp2", checkpoint=True, offload=True),
     "zero2-offload": System("deepspeed", checkpoint=True, offload=True, zero_stage=2),
     "zero3-offload": System("deepspeed", checkpoint=True, offload=True, zero_stage=3),
+    "turnip-ranks": System("turnip"),
 }
 
 
@@ -219,7 +225,23 @@ def deepspeed_trainer(system: System, workload: Workload, device: torch.device, 
     return Trainer(step, None, label, {"ds_config": config})
 
 
-TRAINERS = {"ddp": ddp_trainer, "fsdp2": fsdp2_trainer, "deepspeed": deepspeed_trainer}
+def turnip_trainer(system: System, workload: Workload, device: torch.device, batch, budget=None,
+                   planner: str = "greedy") -> Trainer:
+    """turnip's MemGraph of this rank (compile over the initialized world group), on this rank's GPU."""
+    model = workload.model
+    optimizer = workload.optimizer(trainable(model))
+    started = time.perf_counter()
+    mg = memgraph.compile(model, workload.loss_fn, batch, optimizer=optimizer, budget=budget, device=device,
+                          planner=planner, verbose=False)
+    extra = {"compile_s": time.perf_counter() - started, "budget_bytes": mg.plan.gpu_budget,
+             "arena_bytes": mg.arena_bytes, "cpu_bytes": mg.cpu_bytes, "vertices": len(mg.vertices),
+             "planner": mg.plan.planner, "unplanned_peak": mg.stats.get("unplanned_peak"),
+             "messages": sum(mv.stream is Stream.COMM for mv in mg.vertices),
+             "sim_step_s": mg.stats.get("simulated_step_s")}
+    return Trainer(lambda: engine.run(mg, batch)["loss"], mg.state_dict, repr(optimizer).split(" ")[0], extra)
+
+
+TRAINERS = {"ddp": ddp_trainer, "fsdp2": fsdp2_trainer, "deepspeed": deepspeed_trainer, "turnip": turnip_trainer}
 
 
 def estimated_bytes(system: System, workload: Workload, world: int) -> tuple[int, int]:
@@ -307,11 +329,13 @@ def train(args: argparse.Namespace, device: torch.device) -> tuple[PeerResult, d
     batch = workload.batch_on(device)
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    trainer = TRAINERS[system.kind](system, workload, device, batch)
+    budget = int(args.budget) if args.budget is not None and args.budget > 1 else args.budget
+    options = {"budget": budget, "planner": args.planner} if system.kind == "turnip" else {}
+    trainer = TRAINERS[system.kind](system, workload, device, batch, **options)
     init_s = time.perf_counter() - t0
     result = PeerResult(args.system, math=EAGER_MATH)
     size = int(torch.utils._pytree.tree_leaves(workload.batch)[0].shape[0])
-    result.extra.update(devices=world, backend=dist.get_backend(), model=workload.name, budget=None,
+    result.extra.update(devices=world, backend=dist.get_backend(), model=workload.name, budget=args.budget,
                         batch_per_device=size, global_batch=size * world, optimizer=trainer.optimizer,
                         checkpoint="per block" if system.checkpoint else None, build_s=build_s, init_s=init_s,
                         **trainer.extra)
@@ -369,6 +393,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--snapshot", help="the suite's safetensors weights (peers/isolated.py), instead of a new init")
     parser.add_argument("--deadline", type=float, help="time.time() after which no further timed step starts")
+    parser.add_argument("--budget", type=float, help="turnip: per GPU, bytes (> 1) or a fraction of the unplanned peak")
+    parser.add_argument("--planner", default="greedy", help="turnip: compile's planner")
     parser.add_argument("--save-weights", type=Path, help="rank 0 saves the final weights here (torch.save; "
                         "ddp and fsdp2 systems): the tests compare them with a one-process step")
     args = parser.parse_args(argv)
