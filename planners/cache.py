@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..ir.plan import CPU, GPU, Plan, Recompute
 from ..ir.serialize import Codec
 from ..ir.taskgraph import ScalarRef, TaskGraph, TensorRef
@@ -94,6 +96,8 @@ def _canonical(template: Any) -> Any:
         return ["U", [_canonical(t) for t in template]]
     if isinstance(template, dict):
         return ["D", sorted(([repr(k), _canonical(v)] for k, v in template.items()), key=lambda kv: kv[0])]
+    if isinstance(template, torch.device):  # its kind: which GPU of its kind a step runs on changes no plan (the
+        return ["G", template.type]           # key has the device), and ranks tracing on their own GPUs compare alike
     return _opaque(template)
 
 
