@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..ir.memgraph import MemGraph, Stream
+from ..ir.memgraph import MESSAGE_LANES, MemGraph
 from ..ir.taskgraph import flatten_batch_structure
 from ..trace.errors import UnsupportedFeature
 
@@ -40,6 +40,7 @@ class Ranks:
     rank: int
     count: int
     backend: str
+    reverse: Any  # a second group over the same ranks, for messages to lower ranks (MemGraph.process_groups)
 
     def exchange(self, obj: Any, device: torch.device) -> list[Any]:
         """Every rank's ``obj`` (JSON-able), in rank order."""
@@ -75,7 +76,9 @@ def read_process_group(process_group, device: torch.device) -> Ranks | None:
         raise UnsupportedFeature(f"a step on {device.type} over {count} ranks sends its messages through "
                                  f"{wanted}; this process group's backend is {backend!r}: initialize it with "
                                  f"backend={wanted!r}")
-    return Ranks(process_group, dist.get_rank(process_group), count, backend)
+    members = dist.get_process_group_ranks(process_group)
+    reverse = dist.new_group(ranks=members, use_local_synchronization=True)
+    return Ranks(process_group, dist.get_rank(process_group), count, backend, reverse)
 
 
 def configuration(model: torch.nn.Module, example_batch, optimizer, device: torch.device, devices: int,
@@ -142,7 +145,7 @@ def check_message_order(mg: MemGraph) -> None:
     the same): its serial order must have them so, or a rank would wait on a message it posts later."""
     tasks = mg.taskgraph.vertices
     tags = [tasks[mv.task_vertex].kwargs["tag"] for mv in (mg.vertices[vid] for vid in mg.serial)
-            if mv.stream is Stream.COMM]
+            if mv.stream in MESSAGE_LANES]
     if tags != sorted(tags):
         first = next(i for i in range(1, len(tags)) if tags[i] < tags[i - 1])
         raise RuntimeError(f"internal error: the built step of rank {mg.taskgraph.rank} posts message {tags[first]} "

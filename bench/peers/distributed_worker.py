@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ... import engine, memgraph
-from ...ir.memgraph import Stream
+from ...ir.memgraph import MESSAGE_LANES
 from .checkpoint import checkpoint_blocks, find_blocks
 from .common import (
     EAGER_MATH,
@@ -236,7 +236,7 @@ def turnip_trainer(system: System, workload: Workload, device: torch.device, bat
     extra = {"compile_s": time.perf_counter() - started, "budget_bytes": mg.plan.gpu_budget,
              "arena_bytes": mg.arena_bytes, "cpu_bytes": mg.cpu_bytes, "vertices": len(mg.vertices),
              "planner": mg.plan.planner, "unplanned_peak": mg.stats.get("unplanned_peak"),
-             "messages": sum(mv.stream is Stream.COMM for mv in mg.vertices),
+             "messages": sum(mv.stream in MESSAGE_LANES for mv in mg.vertices),
              "sim_step_s": mg.stats.get("simulated_step_s")}
     return Trainer(lambda: engine.run(mg, batch)["loss"], mg.state_dict, repr(optimizer).split(" ")[0], extra)
 
