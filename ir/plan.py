@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .taskgraph import TaskGraph, TensorRef, ValueKind, map_refs
+from .taskgraph import MESSAGE_OPS, TaskGraph, TensorRef, ValueKind, map_refs
 
 GPU = "gpu"
 CPU = "cpu"
@@ -72,8 +72,9 @@ class Plan:
         pending: dict[int, list[int]] = {}
         for rc in self.recompute:
             vertex = taskgraph.vertices[rc.vertex]
-            if vertex.phase != "forward":
-                raise ValueError(f"only forward vertices can be recomputed, not {rc.vertex} ({vertex.op})")
+            if vertex.phase != "forward" or vertex.op in MESSAGE_OPS:
+                raise ValueError(f"only forward vertices can be recomputed (and no message: its peer sends or "
+                                 f"receives once), not {rc.vertex} ({vertex.op})")
             pending.setdefault(rc.before, []).append(rc.vertex)
         rename: dict[int, int] = {}
         own: dict[int, int] = {}  # the copy's own outputs (refs to them are in-place targets)

@@ -41,6 +41,7 @@ from .ranks import (
     broadcast_weights,
     check_message_order,
     configuration,
+    connect,
     measure_rank_bandwidth,
     read_process_group,
 )
@@ -194,6 +195,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             "accumulation_steps": accumulation_steps, "fused_optimizer": fused_optimizer, "backward": backward,
             **{k: v for k, v in planner_options.items() if k != "costs"}}), device)
         broadcast_weights(model, ranks, device)
+        connect(ranks, device)
     measure_costs = planner != "none" or device_count > 1  # several devices: the simulator picks the build
     alignment = alignment or (256 if device.type == "cuda" else 64)
     started = time.perf_counter()

@@ -81,6 +81,24 @@ def read_process_group(process_group, device: torch.device) -> Ranks | None:
     return Ranks(process_group, dist.get_rank(process_group), count, backend, reverse)
 
 
+def connect(ranks: Ranks, device: torch.device) -> None:
+    """Set up every pair of ranks' link in both groups now, one pair at a time in one order on every
+    rank. NCCL sets up a pair's communicator of a group at its first message, blocking the host until
+    the peer does too: left to the step, rank 0's first send (one group) and rank 1's first send (the
+    other) would each wait for the other forever."""
+    token = torch.zeros(1, dtype=torch.uint8, device=device if ranks.backend == "nccl" else "cpu")
+    for low in range(ranks.count):
+        for high in range(low + 1, ranks.count):
+            if ranks.rank not in (low, high):
+                continue
+            peer = high if ranks.rank == low else low
+            for group, sender in ((ranks.group, low), (ranks.reverse, high)):
+                if ranks.rank == sender:
+                    dist.send(token, group=group, group_dst=peer)
+                else:
+                    dist.recv(token, group=group, group_src=peer)
+
+
 def configuration(model: torch.nn.Module, example_batch, optimizer, device: torch.device, devices: int,
                   budget, options: dict) -> dict:
     """What every rank must give compile alike, as JSON: compared by `agree`."""

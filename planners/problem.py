@@ -17,7 +17,7 @@ from collections import Counter
 import numpy as np
 
 from ..ir.sizes import aligned, arena_capacity
-from ..ir.taskgraph import TaskGraph, ValueKind
+from ..ir.taskgraph import MESSAGE_OPS, TaskGraph, ValueKind
 from .model import KEEP, OFFLOAD, RECOMPUTE, Group, Item, Option, Problem, make_windows, step_order
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,8 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
     recomputable = []
     for gi, g in enumerate(groups):
         chain, requires, persistent, anchor, batch = set(), set(), set(), set(), set()
-        ok, stack = g.forward, [g.vertex]
+        # a message to or from another rank runs once: its peer sends or receives once (trace/ranks.py)
+        ok, stack = g.forward and tg.vertices[g.vertex].op not in MESSAGE_OPS, [g.vertex]
         while stack and ok:
             x = stack.pop()
             for u in tg.vertices[x].inputs():
@@ -143,7 +144,8 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
                     requires.add(group_of_value[u])
                 elif u in forced:
                     anchor.add(u)
-                elif u in transient and val.producer not in group_vertex_set:
+                elif u in transient and val.producer not in group_vertex_set and \
+                        tg.vertices[val.producer].op not in MESSAGE_OPS:
                     if val.producer not in chain:
                         chain.add(val.producer)
                         stack.append(val.producer)

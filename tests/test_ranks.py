@@ -16,9 +16,15 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from cases import make_case
+from cases import bf16_autocast, make_case
 from test_devices import adamw, eager_data_parallel
 from turnip.ir.memgraph import Stream
+from turnip.ir.taskgraph import RECV
+from turnip.planners.costs import CostModel
+from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, step_order
+from turnip.planners.problem import build_problem
+from turnip.trace.ranks import rank_slice
+from turnip.trace.tracer import trace_step
 
 from turnip import engine, memgraph
 
@@ -148,3 +154,24 @@ def test_a_rank_that_dies_or_hangs_fails_the_others_naming_it(tmp_path, how):
     assert "rank 1" in rank0, rank0
     seconds = float(rank0.split()[2].rstrip("s:"))
     assert seconds < 60, rank0  # the group's timeout is 20 s
+
+
+def test_a_received_value_is_never_made_again_nor_read_by_a_recomputation():
+    """A rank's planner sees receives like any forward op making a value, and an autocast cast
+    received from its owner (casts travel) is the kind of value plans recompute: a second receive
+    would wait for a send its peer never posts. No option of the planner's problem runs one again."""
+    model, loss_fn, batches = make_case("gpt")
+    mine = copy.deepcopy(model)
+    step = trace_step(mine, bf16_autocast(loss_fn), batches[0], optimizer=adamw(mine.parameters()), device="cpu",
+                      devices=2)
+    graph = step.finished(casts_travel=True)
+    for rank in (0, 1):
+        tg = rank_slice(graph, rank, 2, order=step_order(graph))
+        CostModel(device="cpu").annotate(tg)
+        problem = build_problem(tg, 1 << 40, bw_h2d=1e10, bw_d2h=1e10, alignment=64)
+        received = {v.id for v in tg.vertices if v.op == RECV}
+        assert any(g.vertex in received for g in problem.groups)  # received casts are saved for the backward
+        for g in problem.groups:
+            if g.vertex in received or received & set(g.chain):
+                assert {o.kind for o in g.options} <= {KEEP, OFFLOAD}, (rank, g.vertex, g.chain)
+        assert any(o.kind == RECOMPUTE for g in problem.groups for o in g.options)  # others still may
