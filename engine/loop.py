@@ -47,7 +47,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Self
 
 from ..ir.describe import describe_vertex, format_info, format_vertex
-from ..ir.memgraph import MESSAGE_LANES, MemGraph, Stream
+from ..ir.memgraph import MemGraph, Stream
 from .errors import ResourceError, StallError, VertexError
 from .resources import WORKSPACE, StreamPool, WorkspacePool
 
@@ -63,7 +63,7 @@ DRAIN_S = 10.0  # after a failure or an interrupt: how long units already runnin
 def vertex_device(mv) -> int:
     """The device whose streams run a vertex: where it writes on the GPU, else where it reads; a
     rank's messages all run on one lane (device 0's), in tag order."""
-    if mv.stream in MESSAGE_LANES:
+    if mv.stream is Stream.COMM:
         return 0
     for places in (mv.writes, mv.reads):
         for place in places.values():
@@ -138,7 +138,7 @@ class StaticGraph:
         tasks = mg.taskgraph.vertices
         self.sequenced: dict[int, list[int]] = {}
         for u, unit in enumerate(units):
-            if self.keys[self.key_of[u]][0] in MESSAGE_LANES:
+            if self.keys[self.key_of[u]][0] is Stream.COMM:
                 self.sequenced.setdefault(self.key_of[u], []).append(u)
         for members in self.sequenced.values():
             members.sort(key=lambda u: tasks[mg.vertices[units[u][0]].task_vertex].kwargs["tag"])

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from ..ir.memgraph import MESSAGE_LANES, Stream
+from ..ir.memgraph import Stream
 
 WORKSPACE = "workspace"  # the name StaticGraph.needs gives the WorkspacePool
 
@@ -39,14 +39,11 @@ WORKSPACE = "workspace"  # the name StaticGraph.needs gives the WorkspacePool
 # the copies run strictly in the order the loop queued them, measured slower on the same MemGraph,
 # 217.9 ms against 212.2 (bench/results/h100/engine_variants_gpt1.3b_streams.json, simulated 211.9 and 201.0).
 # One host lane: a CPU optimizer update already spreads over every core (torch's intra-op threads).
-# One lane per device for copies from other devices' arenas (Stream.D2D, several devices only), and per
-# rank one for messages to other ranks and one for messages from them (Stream.SEND, Stream.RECV: each
-# runs its own in their one fixed order).
+# One lane per device for copies from other devices' arenas (Stream.D2D, several devices only), and one
+# per rank for messages to and from other ranks (Stream.COMM, run in their one fixed order).
 DEFAULT_STREAMS = {
-    "cpu": {Stream.COMPUTE: 2, Stream.H2D: 1, Stream.D2H: 1, Stream.HOST: 1, Stream.D2D: 1, Stream.SEND: 1,
-            Stream.RECV: 1},
-    "cuda": {Stream.COMPUTE: 1, Stream.H2D: 2, Stream.D2H: 2, Stream.HOST: 1, Stream.D2D: 1, Stream.SEND: 1,
-             Stream.RECV: 1},
+    "cpu": {Stream.COMPUTE: 2, Stream.H2D: 1, Stream.D2H: 1, Stream.HOST: 1, Stream.D2D: 1, Stream.COMM: 1},
+    "cuda": {Stream.COMPUTE: 1, Stream.H2D: 2, Stream.D2H: 2, Stream.HOST: 1, Stream.D2D: 1, Stream.COMM: 1},
 }
 
 
@@ -76,7 +73,7 @@ def reported_ahead(stream_class: Stream, compute_depth: int, copy_depth: int) ->
     launched ahead of the weights they copy, held each device's backward for ~110 ms (simulated)."""
     if stream_class is Stream.COMPUTE:
         return compute_depth
-    if stream_class in (Stream.HOST, Stream.D2D, Stream.SEND, Stream.RECV):
+    if stream_class in (Stream.HOST, Stream.D2D, Stream.COMM):
         return 0
     return copy_depth
 
@@ -88,8 +85,8 @@ def stream_counts(device_type: str, overrides: dict | None = None) -> dict[Strea
         cls = Stream(key.value if isinstance(key, Stream) else key)
         if int(n) < 1:
             raise ValueError(f"streams[{cls.value!r}] must be at least 1, got {n}")
-        if cls in MESSAGE_LANES and int(n) != 1:
-            raise ValueError(f"streams[{cls.value!r}] must be 1, got {n}: a rank's messages run one at a time in the "
+        if cls is Stream.COMM and int(n) != 1:
+            raise ValueError(f"streams['comm'] must be 1, got {n}: a rank's messages run one at a time in the "
                              f"order every rank shares")
         counts[cls] = int(n)
     return counts

@@ -35,7 +35,7 @@ import torch
 
 from ..ir.describe import format_vertex
 from ..ir.memgraph import MemGraph, MVertex, Place
-from ..ir.taskgraph import MESSAGE_OPS, SEND
+from ..ir.taskgraph import MESSAGE_OPS
 from ..kernels.launch import PreparedVertex
 from ..kernels.messages import PreparedMessage
 from ..kernels.views import ref_view, typed_view
@@ -203,19 +203,16 @@ class Runtime:
 
         outs = [self.view(mg, mv.writes[o], o) if o >= 0 and o in mv.writes else None for o in tv.outputs]
         if tv.op in MESSAGE_OPS:
-            return PreparedMessage(tv, resolve, outs, self.process_group(mg, tv))
+            return PreparedMessage(tv, resolve, outs, self.process_group(mg))
         return PreparedVertex(tv, resolve, outs)
 
-    def process_group(self, mg: MemGraph, message):
-        """The process group a message of a rank's MemGraph goes through: the first of mg.process_groups
-        for messages from a lower rank to a higher one, the second for the other direction."""
-        groups = mg.process_groups
-        if groups is None:
+    def process_group(self, mg: MemGraph):
+        """The process group a rank's MemGraph sends its messages through: the one it was compiled in."""
+        group = mg.process_group
+        if group is None:
             raise EngineError(f"this MemGraph is rank {mg.taskgraph.rank} of {mg.taskgraph.ranks}: it runs in "
-                              f"the process groups it was compiled in (a loaded one: set mg.process_groups)")
-        sender, receiver = ((mg.taskgraph.rank, message.kwargs["peer"]) if message.op == SEND
-                            else (message.kwargs["peer"], mg.taskgraph.rank))
-        return groups[0] if sender < receiver else groups[1]
+                              f"the process group it was compiled in (a loaded one: set mg.process_group)")
+        return group
 
     def bind_transfer(self, mg: MemGraph, mv: MVertex) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """((destination bytes, source bytes), ...): offload, reload and copy all move a value's bytes."""

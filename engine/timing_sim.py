@@ -75,7 +75,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..ir.costs import CostModel, FixedRates, HostLinks
-from ..ir.memgraph import MESSAGE_LANES, Kind, MemGraph, MVertex, Stream
+from ..ir.memgraph import Kind, MemGraph, MVertex, Stream
 from ..ir.optimizer import update_elements
 from .dispatch import per_vertex
 from .errors import StallError
@@ -220,7 +220,7 @@ class _Durations:
             return update_elements(tv) / self.model.host_update_rate
         if mv.stream is Stream.D2D:  # a copy from another device: the link between them, not this one's HBM
             return sum(p.nbytes for p in mv.writes.values()) / self.model.d2d_bandwidth
-        if mv.stream in MESSAGE_LANES:  # a message to or from another rank: the link between ranks
+        if mv.stream is Stream.COMM:  # a message to or from another rank: the link between ranks
             return sum(p.nbytes for p in (*mv.reads.values(), *mv.writes.values())) / self.model.rank_bandwidth
         t = float(tv.time)
         if t <= 0:
@@ -348,7 +348,7 @@ class _Sim:
         lane = self.lanes.get((key, inst))
         if lane is None:
             stream, dev = self.g.keys[key]
-            pool_name = stream.value if (self.duplex or stream in (Stream.COMPUTE, Stream.HOST, Stream.D2D, *MESSAGE_LANES)) else "link"
+            pool_name = stream.value if (self.duplex or stream in (Stream.COMPUTE, Stream.HOST, Stream.D2D, Stream.COMM)) else "link"
             name = f"{stream.value} {inst}" + (f" @{dev}" if dev else "")
             depth = reported_ahead(stream, self.depth, self.transfer_depth)
             lane = _Lane(name, (pool_name, dev), depth)

@@ -45,13 +45,7 @@ class Stream(str, enum.Enum):
     D2H = "d2h"
     HOST = "host"  # a compute vertex run by the host's cores on pinned CPU storage (an optimizer update)
     D2D = "d2d"  # a transfer from another device's arena into this device's (TaskGraph.transfer_source)
-    # messages to and from other ranks (TaskGraph SEND / RECV): a lane each per rank, in tag order; the two run at
-    # once, each through a process group of its own (a direction of every pair of ranks: engine/runtime.py)
-    SEND = "send"
-    RECV = "recv"
-
-
-MESSAGE_LANES = (Stream.SEND, Stream.RECV)
+    COMM = "comm"  # a message to or from another rank (TaskGraph SEND / RECV): one lane per rank, in tag order
 
 
 class Edge(str, enum.Enum):
@@ -128,11 +122,9 @@ class MemGraph:
     # user's torch optimizer, and by load), whose hyperparameters engine.run reads before every
     # step, so LR schedulers act as in eager, and whose state_dict() exports the optimizer states.
     optimizer: ClassVar[Any] = None
-    # Not a field either: on several ranks (taskgraph.ranks > 1), the two torch.distributed process groups its
-    # messages go through, over the same ranks: the first carries those to higher ranks, the second those to
-    # lower ranks, so both directions between two ranks move at once (NCCL runs one group's messages between
-    # two ranks one after another). Set by memgraph.compile; a loaded rank's MemGraph needs them set again.
-    process_groups: ClassVar[tuple | None] = None
+    # Not a field either: on several ranks (taskgraph.ranks > 1), the torch.distributed process group its
+    # messages go through (set by memgraph.compile; a loaded rank's MemGraph needs it set again).
+    process_group: ClassVar[Any] = None
 
     def __repr__(self) -> str:
         kinds = Counter(v.kind.value for v in self.vertices)

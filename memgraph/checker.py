@@ -32,7 +32,7 @@ MAX_REPORTS = 40  # per kind of violation
 STREAM_OF = {Kind.COMPUTE: Stream.COMPUTE, Kind.COPY: Stream.COMPUTE, Kind.OFFLOAD: Stream.D2H,
              Kind.OUTPUT: Stream.D2H, Kind.RELOAD: Stream.H2D, Kind.INPUT: Stream.H2D}
 # where else a compute vertex runs: the host's cores, a transfer lane, the messages' lane
-ALSO_COMPUTE = (Stream.HOST, Stream.D2D, Stream.SEND, Stream.RECV)
+ALSO_COMPUTE = (Stream.HOST, Stream.D2D, Stream.COMM)
 
 
 def verify(mg: MemGraph) -> list[str]:

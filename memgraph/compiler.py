@@ -334,7 +334,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             mg.optimizer = CompiledOptimizer(mg, optimizer) if optimizer is not None else None
             if ranks is not None:
                 check_message_order(mg)
-                mg.process_groups = (ranks.group, ranks.reverse)
+                mg.process_group = ranks.group
             mg.initial_state = dict(tg.initial_state)
             mg.names = dict(tg.state_names)
             mg.device = str(device)

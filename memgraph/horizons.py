@@ -31,7 +31,7 @@ from collections import Counter
 from ..ir.memgraph import Edge, Kind, MemGraph, Place, Stream
 from ..ir.plan import Plan
 from ..ir.sizes import arena_capacity
-from ..ir.taskgraph import MESSAGE_OPS, SEND, TaskGraph, ValueKind
+from ..ir.taskgraph import MESSAGE_OPS, TaskGraph, ValueKind
 from .alloc import START, RangeAllocator, Tenancy, wait_for
 from .implied_edges import reduce_memory_edges
 from .packing import live_peak, pack, stays
@@ -387,7 +387,7 @@ class HorizonWalk:
         in_place = self.sched.in_place.get(vid, ())
         writes = {o: self.pre[o].place for o in outs}
         writes.update((new, self.cur[old].place) for old, new in in_place)
-        stream = (Stream.SEND if vertex.op == SEND else Stream.RECV) if vertex.op in MESSAGE_OPS else \
+        stream = Stream.COMM if vertex.op in MESSAGE_OPS else \
             Stream.D2D if self.tg.transfer_source(vertex) is not None else Stream.COMPUTE
         mid = self.mg.add_vertex(Kind.COMPUTE, stream, task_vertex=vid,
                                  reads={x: self.cur[x].place for x in ins}, writes=writes, workspace=vertex.workspace)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..ir.memgraph import MESSAGE_LANES, MemGraph
+from ..ir.memgraph import MemGraph, Stream
 from ..ir.taskgraph import flatten_batch_structure
 from ..trace.errors import UnsupportedFeature
 
@@ -40,7 +40,6 @@ class Ranks:
     rank: int
     count: int
     backend: str
-    reverse: Any  # a second group over the same ranks, for messages to lower ranks (MemGraph.process_groups)
 
     def exchange(self, obj: Any, device: torch.device) -> list[Any]:
         """Every rank's ``obj`` (JSON-able), in rank order."""
@@ -76,27 +75,23 @@ def read_process_group(process_group, device: torch.device) -> Ranks | None:
         raise UnsupportedFeature(f"a step on {device.type} over {count} ranks sends its messages through "
                                  f"{wanted}; this process group's backend is {backend!r}: initialize it with "
                                  f"backend={wanted!r}")
-    members = dist.get_process_group_ranks(process_group)
-    reverse = dist.new_group(ranks=members, use_local_synchronization=True)
-    return Ranks(process_group, dist.get_rank(process_group), count, backend, reverse)
+    return Ranks(process_group, dist.get_rank(process_group), count, backend)
 
 
 def connect(ranks: Ranks, device: torch.device) -> None:
-    """Set up every pair of ranks' link in both groups now, one pair at a time in one order on every
-    rank. NCCL sets up a pair's communicator of a group at its first message, blocking the host until
-    the peer does too: left to the step, rank 0's first send (one group) and rank 1's first send (the
-    other) would each wait for the other forever."""
+    """Set up every pair of ranks' link now, one pair at a time in one order on every rank. NCCL sets
+    up a pair's communicator at its first message, blocking the host until the peer does too: the
+    first step would pay it, one pair after another as its messages come."""
     token = torch.zeros(1, dtype=torch.uint8, device=device if ranks.backend == "nccl" else "cpu")
     for low in range(ranks.count):
         for high in range(low + 1, ranks.count):
             if ranks.rank not in (low, high):
                 continue
             peer = high if ranks.rank == low else low
-            for group, sender in ((ranks.group, low), (ranks.reverse, high)):
-                if ranks.rank == sender:
-                    dist.send(token, group=group, group_dst=peer)
-                else:
-                    dist.recv(token, group=group, group_src=peer)
+            if ranks.rank == low:
+                dist.send(token, group=ranks.group, group_dst=peer)
+            else:
+                dist.recv(token, group=ranks.group, group_src=peer)
 
 
 def configuration(model: torch.nn.Module, example_batch, optimizer, device: torch.device, devices: int,
@@ -163,7 +158,7 @@ def check_message_order(mg: MemGraph) -> None:
     the same): its serial order must have them so, or a rank would wait on a message it posts later."""
     tasks = mg.taskgraph.vertices
     tags = [tasks[mv.task_vertex].kwargs["tag"] for mv in (mg.vertices[vid] for vid in mg.serial)
-            if mv.stream in MESSAGE_LANES]
+            if mv.stream is Stream.COMM]
     if tags != sorted(tags):
         first = next(i for i in range(1, len(tags)) if tags[i] < tags[i - 1])
         raise RuntimeError(f"internal error: the built step of rank {mg.taskgraph.rank} posts message {tags[first]} "

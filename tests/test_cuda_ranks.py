@@ -39,7 +39,7 @@ def _rank_steps(rank: int, ranks: int, budget, path: str) -> str:
     mine = copy.deepcopy(model)
     mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cuda",
                           budget=budget, verbose=False)
-    assert mg.device == f"cuda:{rank}" and {Stream.SEND, Stream.RECV} <= {mv.stream for mv in mg.vertices}
+    assert mg.device == f"cuda:{rank}" and any(mv.stream is Stream.COMM for mv in mg.vertices)
     assert memgraph.verify(mg) == []
     for micro, loss in zip(per_device(batches, 2, steps=3), want["losses"]):
         got = engine.run(mg, micro[rank])["loss"].cpu()

@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 
 from ... import engine, memgraph
-from ...ir.memgraph import MESSAGE_LANES
+from ...engine.timing_sim import transfer_bytes
+from ...ir.memgraph import Stream
 from .checkpoint import checkpoint_blocks, find_blocks
 from .common import (
     EAGER_MATH,
@@ -236,8 +237,9 @@ def turnip_trainer(system: System, workload: Workload, device: torch.device, bat
     extra = {"compile_s": time.perf_counter() - started, "budget_bytes": mg.plan.gpu_budget,
              "arena_bytes": mg.arena_bytes, "cpu_bytes": mg.cpu_bytes, "vertices": len(mg.vertices),
              "planner": mg.plan.planner, "unplanned_peak": mg.stats.get("unplanned_peak"),
-             "messages": sum(mv.stream in MESSAGE_LANES for mv in mg.vertices),
+             "messages": sum(mv.stream is Stream.COMM for mv in mg.vertices),
              "sim_step_s": mg.stats.get("simulated_step_s")}
+    extra["bytes_moved"] = transfer_bytes(mg)  # the plan's own host traffic, where the peers' is estimated
     return Trainer(lambda: engine.run(mg, batch)["loss"], mg.state_dict, repr(optimizer).split(" ")[0], extra)
 
 
@@ -344,8 +346,9 @@ def train(args: argparse.Namespace, device: torch.device) -> tuple[PeerResult, d
     log.info("%s: %s built in %.1fs, wrapped in %.1fs", args.system, workload.name, build_s, init_s)
     timed_steps(result, trainer.step, args.steps, args.warmup, device, args.deadline)
     record_peaks(result, device)
-    result.bytes_h2d, result.bytes_d2h = estimated_bytes(system, workload, world)
-    result.extra["bytes_estimated"] = system.offload
+    moved = result.extra.pop("bytes_moved", None)
+    result.bytes_h2d, result.bytes_d2h = moved or estimated_bytes(system, workload, world)
+    result.extra["bytes_estimated"] = system.offload and moved is None
     weights = None
     if args.save_weights:
         weights = trainer.full_state()  # a collective for FSDP: every rank takes part
