@@ -17,6 +17,7 @@ from ..trace.tracer import trace
 from .builder import build
 from .checker import verify
 from .compiler import compile
+from .ranks import gather_optimizer_state_dict, gather_state_dict
 
 __all__ = ["InfeasibleBudget", "MemGraph", "ReferenceExecutor", "TaskGraph", "UnsupportedFeature", "UnsupportedOp",
-           "build", "compile", "dump", "load", "trace", "verify"]
+           "build", "compile", "dump", "gather_optimizer_state_dict", "gather_state_dict", "load", "trace", "verify"]

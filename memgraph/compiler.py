@@ -158,8 +158,10 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     (trace/ranks.py). Transfers between ranks are messages through the group (gloo on the CPU,
     NCCL on CUDA), run in one order every rank shares. Every rank must call compile alike (checked:
     the first difference is refused on every rank); rank 0's weights are broadcast first, as DDP
-    does. mg.state_dict() then holds this rank's share (the parameters and states it owns and the
-    weights it keeps). On CUDA, each rank compiles for its own GPU (device="cuda:<LOCAL_RANK>").
+    does. mg.state_dict() then holds this rank's share (the parameters it owns); every rank calling
+    memgraph.gather_state_dict(mg) / gather_optimizer_state_dict(mg) gives rank 0 the whole; each
+    rank's mg.save(path) keeps its share, and memgraph.load(path) goes on from it once the loaded
+    MemGraph's process_group is set (the group of the same ranks). On CUDA, each rank compiles for its own GPU (device="cuda:<LOCAL_RANK>").
     rank_bandwidth: bytes/s of a message between two ranks, for the planners and the simulator;
     default: measured between ranks 0 and 1 at compile on CUDA (memgraph/ranks.py), the spec's
     25 GB/s (a 200 Gb/s NIC) on the CPU. Not yet: random ops (dropout), and more than one GPU

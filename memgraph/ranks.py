@@ -196,3 +196,56 @@ def measure_rank_bandwidth(ranks: Ranks, device: torch.device) -> float:
     bandwidth = RANK_LINK_BYTES / measured
     log.info("messages between ranks: %.1f GB/s each way (measured between ranks 0 and 1)", bandwidth / 1e9)
     return bandwidth
+
+
+def gather_state_dict(mg: MemGraph, dst: int = 0) -> dict | None:
+    """The whole model's state dict, on rank ``dst`` of a MemGraph compiled over several ranks (each
+    rank's ``mg.state_dict()`` holds its share: the parameters it owns, their replicas aside); None
+    on the other ranks. Every rank calls it."""
+    return _gathered(mg, mg.state_dict(), dst)
+
+
+def gather_optimizer_state_dict(mg: MemGraph, dst: int = 0) -> dict | None:
+    """The whole optimizer's state dict (torch.optim's form, as ``mg.optimizer.state_dict()`` gives
+    it on one process), on rank ``dst``; None on the other ranks. Every rank calls it."""
+    if mg.optimizer is None:
+        raise ValueError("this MemGraph was compiled without an optimizer: it has no optimizer state")
+    mine = mg.optimizer.state_dict()
+    flat = {f"{index}/{key}": value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            for index, state in mine["state"].items() for key, value in state.items()}
+    every = _gathered(mg, flat, dst)
+    if every is None:
+        return None
+    state: dict[int, dict] = {}
+    for name, value in every.items():
+        index, key = name.split("/", 1)
+        state.setdefault(int(index), {})[key] = value
+    return {"state": dict(sorted(state.items())), "param_groups": mine["param_groups"]}
+
+
+def _gathered(mg: MemGraph, local: dict, dst: int) -> dict | None:
+    """Every rank's ``local`` (name -> tensor) merged on rank ``dst``, in rank order."""
+    group = mg.process_group
+    if group is None:
+        raise ValueError("this MemGraph runs in one process: its state_dict() is the whole state")
+    rank, count = dist.get_rank(group), dist.get_world_size(group)
+    if not 0 <= dst < count:
+        raise ValueError(f"dst={dst} is not a rank of this step's {count} ranks")
+    ranks = Ranks(group, rank, count, str(dist.get_backend(group)).lower())
+    device = torch.device(mg.device)
+    wire = device if ranks.backend == "nccl" else torch.device("cpu")
+    listed = ranks.exchange([[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in local.items()],
+                            device)
+    if rank != dst:
+        for tensor in local.values():
+            dist.send(tensor.contiguous().to(wire), group=group, group_dst=dst)
+        return None
+    merged = dict(local)
+    for peer in range(count):
+        if peer == dst:
+            continue
+        for name, shape, dtype in listed[peer]:
+            buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=wire)
+            dist.recv(buffer, group=group, group_src=peer)
+            merged[name] = buffer.cpu()
+    return merged

@@ -175,3 +175,48 @@ def test_a_received_value_is_never_made_again_nor_read_by_a_recomputation():
             if g.vertex in received or received & set(g.chain):
                 assert {o.kind for o in g.options} <= {KEEP, OFFLOAD}, (rank, g.vertex, g.chain)
         assert any(o.kind == RECOMPUTE for g in problem.groups for o in g.options)  # others still may
+
+
+def _saves_resumes_and_gathers(rank: int, ranks: int, folder: str) -> str:
+    model, loss_fn, batches = make_case("gpt")
+    steps = [[batches[(s * ranks + r) % len(batches)] for r in range(ranks)] for s in range(STEPS)]
+    eager = copy.deepcopy(model)
+    eager_opt = adamw(eager.parameters())
+    for micro in steps:  # eager_data_parallel's loop, keeping the optimizer
+        eager_opt.zero_grad()
+        for batch in micro:
+            loss_fn(eager, batch).backward()
+        for p in eager.parameters():
+            p.grad /= len(micro)
+        eager_opt.step()
+    mine = copy.deepcopy(model)
+    opt = adamw(mine.parameters())
+    mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=opt, device="cpu", budget=0.6, verbose=False)
+    engine.run(mg, steps[0][rank])
+    path = os.path.join(folder, f"rank{rank}.mg")
+    mg.save(path)
+    mg.release(keep=False)
+    resumed = memgraph.load(path, optimizer=opt)  # as a new process would, after its own compile's opt
+    resumed.process_group = dist.group.WORLD
+    engine.run(resumed, steps[1][rank])
+    state = memgraph.gather_state_dict(resumed)
+    optimizer = memgraph.gather_optimizer_state_dict(resumed)
+    if rank != 0:
+        assert state is None and optimizer is None
+        return "ok"
+    want = eager.state_dict()
+    assert sorted(state) == sorted(want)
+    for key, tensor in want.items():
+        assert torch.equal(state[key], tensor), key
+    want_opt = eager_opt.state_dict()
+    assert sorted(optimizer["state"]) == sorted(want_opt["state"])
+    for index, entry in want_opt["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(optimizer["state"][index][key].to(value.dtype), value), (index, key)
+    return "ok"
+
+
+def test_a_rank_saved_and_loaded_goes_on_bitwise_and_its_state_gathers_whole(tmp_path):
+    reports = run_ranks(_saves_resumes_and_gathers, 2, tmp_path, str(tmp_path))
+    for rank, text in enumerate(reports):
+        assert text.startswith("ok"), f"rank {rank}: {text}"
