@@ -54,3 +54,18 @@ def test_host_update_rows_run_the_updates_on_the_hosts_cores(tmp_path):
                     "--no-eager", "--host-update", "all", "--no-plots", "--out", str(out)])
     row = next(r for r in json.loads(out.read_text())["rows"] if r["system"] == "turnip")
     assert row["status"] == "ok" and row["host_update"] == "all" and row["host_updates"] > 0
+
+
+def test_ranks_rows_run_turnip_over_ranks_under_torchrun_beside_one_process(tmp_path):
+    """--ranks: each budget again as turnip-ranks, a torchrun of one process per device (gloo on the CPU),
+    whose row says how many messages a rank sends and receives."""
+    from turnip.bench import multi_gpu
+
+    out = tmp_path / "ranks.json"
+    multi_gpu.main(["--devices", "2", "--tiny", "--device", "cpu", "--budgets", "1.0", "--steps", "1", "--warmup", "0",
+                    "--no-eager", "--ranks", "--planner", "greedy", "--no-plots", "--out", str(out)])
+    rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["turnip"]["status"] == "ok"
+    ranks = rows["turnip-ranks"]
+    assert ranks["status"] == "ok", ranks.get("error")
+    assert (ranks["devices"], ranks["budget"]) == (2, 1.0) and ranks["messages"] > 0 and ranks["step_s_median"] > 0
