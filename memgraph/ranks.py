@@ -8,8 +8,9 @@ ranks must share is settled here first, through the process group itself:
   on every rank naming the first field that differs and the ranks that differ, where it would
   otherwise pair messages of different sizes or hang;
 - the weights, broadcast from rank 0 (as DDP's constructor does), so every replica starts equal;
+- every pair of ranks' link, set up in one order, and on CUDA its bandwidth, measured once;
 - the traced step (its digest), and the one decision a rank makes from its own share that changes
-  the step every rank traces (whether the weights' casts travel, from the largest rank's peak).
+  the step every rank traces (whether the weights' casts travel: if any rank needs them to).
 
 The exchanges carry JSON, never pickles: nothing a rank receives runs code.
 """
