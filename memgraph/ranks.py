@@ -42,10 +42,18 @@ class Ranks:
     count: int
     backend: str
 
+    @classmethod
+    def of(cls, group) -> Ranks:
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), str(dist.get_backend(group)).lower())
+
+    def wire(self, device: torch.device) -> torch.device:
+        """Where a tensor sent through the group lives: NCCL moves GPU memory, gloo host memory."""
+        return device if "nccl" in self.backend else torch.device("cpu")
+
     def exchange(self, obj: Any, device: torch.device) -> list[Any]:
         """Every rank's ``obj`` (JSON-able), in rank order."""
         payload = torch.frombuffer(bytearray(json.dumps(obj, sort_keys=True).encode()), dtype=torch.uint8)
-        where = device if self.backend == "nccl" else torch.device("cpu")
+        where = self.wire(device)
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=where)
         sizes = [torch.empty_like(size) for _ in range(self.count)]
         dist.all_gather(sizes, size, group=self.group)
@@ -67,23 +75,22 @@ def read_process_group(process_group, device: torch.device) -> Ranks | None:
     elif not (dist.is_available() and dist.is_initialized()):
         raise UnsupportedFeature("process_group= was given but torch.distributed is not initialized: call "
                                  "torch.distributed.init_process_group first (torchrun sets up its environment)")
-    count = dist.get_world_size(process_group)
-    if count == 1:
+    ranks = Ranks.of(process_group)
+    if ranks.count == 1:
         return None
-    backend = str(dist.get_backend(process_group)).lower()
     wanted = "nccl" if device.type == "cuda" else "gloo"
-    if wanted not in backend:
-        raise UnsupportedFeature(f"a step on {device.type} over {count} ranks sends its messages through "
-                                 f"{wanted}; this process group's backend is {backend!r}: initialize it with "
-                                 f"backend={wanted!r}")
-    return Ranks(process_group, dist.get_rank(process_group), count, backend)
+    if wanted not in ranks.backend:
+        raise UnsupportedFeature(f"a step on {device.type} over {ranks.count} ranks sends its messages through "
+                                 f"{wanted}; this process group's backend is {ranks.backend!r}: initialize it "
+                                 f"with backend={wanted!r}")
+    return ranks
 
 
 def connect(ranks: Ranks, device: torch.device) -> None:
     """Set up every pair of ranks' link now, one pair at a time in one order on every rank. NCCL sets
     up a pair's communicator at its first message, blocking the host until the peer does too: the
     first step would pay it, one pair after another as its messages come."""
-    token = torch.zeros(1, dtype=torch.uint8, device=device if ranks.backend == "nccl" else "cpu")
+    token = torch.zeros(1, dtype=torch.uint8, device=ranks.wire(device))
     for low in range(ranks.count):
         for high in range(low + 1, ranks.count):
             if ranks.rank not in (low, high):
@@ -144,10 +151,11 @@ def _short(value: Any, limit: int = 300) -> str:
 def broadcast_weights(model: torch.nn.Module, ranks: Ranks, device: torch.device) -> None:
     """rank 0's parameters and buffers into every rank's model, in place (as DDP's constructor)."""
     source = dist.get_global_rank(ranks.group, 0)
+    wire = ranks.wire(device)
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            if ranks.backend == "nccl" and tensor.device.type != "cuda":
-                moved = tensor.detach().to(device)
+            if tensor.device.type != wire.type:
+                moved = tensor.detach().to(wire)
                 dist.broadcast(moved, src=source, group=ranks.group)
                 tensor.copy_(moved)
             else:
@@ -229,20 +237,19 @@ def _gathered(mg: MemGraph, local: dict, dst: int) -> dict | None:
     group = mg.process_group
     if group is None:
         raise ValueError("this MemGraph runs in one process: its state_dict() is the whole state")
-    rank, count = dist.get_rank(group), dist.get_world_size(group)
-    if not 0 <= dst < count:
-        raise ValueError(f"dst={dst} is not a rank of this step's {count} ranks")
-    ranks = Ranks(group, rank, count, str(dist.get_backend(group)).lower())
+    ranks = Ranks.of(group)
+    if not 0 <= dst < ranks.count:
+        raise ValueError(f"dst={dst} is not a rank of this step's {ranks.count} ranks")
     device = torch.device(mg.device)
-    wire = device if ranks.backend == "nccl" else torch.device("cpu")
+    wire = ranks.wire(device)
     listed = ranks.exchange([[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in local.items()],
                             device)
-    if rank != dst:
+    if ranks.rank != dst:
         for tensor in local.values():
             dist.send(tensor.contiguous().to(wire), group=group, group_dst=dst)
         return None
     merged = dict(local)
-    for peer in range(count):
+    for peer in range(ranks.count):
         if peer == dst:
             continue
         for name, shape, dtype in listed[peer]:

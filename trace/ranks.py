@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir.taskgraph import MESSAGE_OPS, RECV, SEND, TaskGraph, Value, ValueKind, map_refs
+from ..ir.taskgraph import RECV, SEND, TaskGraph, Value, ValueKind, map_refs
 from ..kernels.ops import draws
 from .errors import UnsupportedFeature
 
@@ -124,8 +124,3 @@ def _outputs_sent_to_every_rank(tg: TaskGraph, ranks: int) -> tuple[TaskGraph, d
             tg.add_vertex("aten::_to_copy", (val.dense_ref,), {}, (got,), phase="optimizer", device=rank * local)
             sent[(name, rank)] = got
     return tg, sent
-
-
-def messages(tg: TaskGraph) -> list[int]:
-    """The vertices of a rank's graph that send or receive, in tag order."""
-    return sorted((v.id for v in tg.vertices if v.op in MESSAGE_OPS), key=lambda vid: tg.vertices[vid].kwargs["tag"])
