@@ -183,6 +183,7 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
                     "model": facts.get("model"), "loss_blocks": facts.get("loss_blocks", 1), "budget": text,
                     "budget_bytes": budget, "unplanned_peak": peak, "eager_peak_allocated": eager_peak,
                     "eager_step_s": facts.get("eager_step_s"), "candidate": f"{plan.planner}#{k}/{walk}",
+                    "variant": plan.stats.get("variant"),
                     "planner_predicted_s": plan.predicted_time, "simulated_s": sim.step_time,
                     "sim_compute_idle_s": sim.compute_idle, "sim_idle_by_wait_s": idle_by_wait(mg, sim),
                     "bytes_h2d": moved_in, "bytes_d2h": moved_out,

@@ -24,6 +24,7 @@ from ..ir.taskgraph import TaskGraph
 from . import ilp, solver
 from .costs import CostModel, default_costs
 from .decode_solution import from_solution, to_plan
+from .blocks import block_patterns, find_blocks
 from .greedy import greedy
 from .memory import Decisions, Evaluation, evaluate
 from .model import Problem
@@ -35,27 +36,22 @@ METHODS = ("auto", "ilp", "greedy")
 _MODEL_OPTS = ("headroom", "alignment", "windows", "depth", "max_candidates", "max_chain", "max_items", "order",
                "reload_room")
 _SOLVER_OPTS = ("gap", "msg", "solver", "threads")
+_ILP_OPTS = ("tie_blocks",)  # False: the ILP over every group's options, repeated blocks untied (blocks.py)
 
 # The ILP's default time limit: this many seconds per binary variable, within [floor, cap]: the
-# floor for the 30M-parameter GPT-2 at 50% (1614 binaries), 1.7 s for a 32-layer GPT (3435), a
-# minute from 120000. Past it (and a grace, solver.deadline) the greedy plan is used: compile stays
-# fast (the 30M GPT-2 in under 5 s on a 2-core CPU), and a longer search is one time_limit= away.
+# floor for the 30M-parameter GPT-2 at 50% (1614 binaries), 1.7 s for a 32-layer GPT (3435). Past it
+# (and a grace, solver.deadline) the greedy plan is used: compile stays fast, and a longer search is
+# one time_limit= away.
 SECONDS_PER_BINARY = 5e-4
-# With op costs measured on the GPU the plan is for real steps, run thousands of times: on an H100
-# the ILP's plan was the simulator's pick at 50% for gpt350m in some runs (bench/results/h100), so
-# it got 6x longer; and offload-heavy plans gain from more: on the H100 export of gpt350m at 25% of
-# eager's peak (3,283 binaries, four problems solved side by side on a 2-core machine) the picked
-# plan simulates at 198.8 ms with 8 s or 20 s, 168.6 with 30 s and 157.8 with 60 s; gpt1.3b at 25%
-# 402.0 ms with the default, 346.1 with 60 s (`python -m turnip.bench.replan plan --step
-# bench/results/h100/steps/step_<model>.step --budgets 0.25 --planner-option time_limit=60`). Not yet
-# measured on the GPU. 15 ms per binary: about 50 s for those problems, the 60 s cap from 4,000. At
-# 10 ms the gpt1.3b problem at 50% (3,918 binaries) sometimes stopped before HiGHS's local search
-# found the plan that simulates at 201 ms (it took 29 s of one core here, 39 s were given, the four
-# problems share the cores), and compile fell back on a 226 ms one (bench/results/h100/
-# engine_variants_gpt1.3b_streams_c41.json against suite_gpt1.3b_s14.json, one machine type).
+# With op costs measured on the GPU the plan is for real steps, run thousands of times, so the ILP
+# gets longer, up to the cap. The cap was 60 s while the ILP chose every group's option alone: on
+# the H100 export of gpt1.3b at 50% (3,918 binaries) HiGHS needed about 29 s of one core to find the
+# plan that simulates at 201 ms. With repeated blocks tied (blocks.py) it finds one of 205 ms in
+# 10 s (`python -m turnip.bench.replan plan --step bench/results/h100/steps/step_gpt1.3b.step
+# --budgets 0.5`), and compile no longer waits a minute per budget.
 SECONDS_PER_BINARY_MEASURED = 1.5e-2
 TIME_LIMIT_FLOOR = 1.0
-TIME_LIMIT_CAP = 60.0
+TIME_LIMIT_CAP = 10.0
 SHORT_CHAIN = 1  # plan_candidates' extra problem: recompute chains of at most this many vertices
 NEAR_WHOLE = 0.97  # plan_candidates' extra problem: planned against this share of the budget
 
@@ -72,7 +68,7 @@ def check_options(method: str, time_limit: float | None = None, **opts) -> None:
     of seconds, as planning would (memgraph.compile asks before it looks in the plan cache)."""
     if method not in METHODS:
         raise ValueError(f"unknown planner method {method!r} (choose from {', '.join(METHODS)})")
-    unknown = set(opts) - set(_MODEL_OPTS) - set(_SOLVER_OPTS)
+    unknown = set(opts) - set(_MODEL_OPTS) - set(_SOLVER_OPTS) - set(_ILP_OPTS)
     if unknown:
         raise TypeError(f"unknown planner options: {', '.join(sorted(unknown))}")
     number = isinstance(time_limit, (int, float)) and not isinstance(time_limit, bool)
@@ -156,7 +152,7 @@ def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, m
     g_dec, g_ev, g_stats = greedy(problem)
     stats = {"problem_seconds": time.perf_counter() - started, "greedy_seconds": g_stats["seconds"],
              "greedy_time": g_ev.time if g_ev.feasible else None, "method": method, "fits_model": g_ev.feasible,
-             "smallest_budget": floor}
+             "smallest_budget": floor, "variant": {k: opts[k] for k in ("headroom", "max_chain") if k in opts}}
     keep_all = not any(k != "keep" for k in g_dec.groups) and not any(g_dec.cpu)
     if method == "greedy" or (g_ev.feasible and keep_all):
         # keeping everything on the GPU is optimal whenever it fits: nothing to solve
@@ -165,7 +161,9 @@ def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, m
 
     solver_opts = {k: v for k, v in opts.items() if k in _SOLVER_OPTS and v is not None}
     solver_opts.setdefault("gap", 5e-3)  # the cost model itself is not more accurate than this
-    f = ilp.formulate(problem)
+    blocks = ([(block, block_patterns(block, [g_dec])) for block in find_blocks(problem)]
+              if opts.get("tie_blocks", True) else [])
+    f = ilp.formulate(problem, blocks)
     start = ilp.start_values(problem, f, g_ev.options, g_dec.cpu, g_ev.window_time) if g_ev.feasible else None
     # what the ILP must beat: the greedy plan (its warm start) as the ILP itself prices it
     cutoff = sum(c * v for c, v in zip(f.obj, start) if c) if start is not None else None
@@ -180,6 +178,7 @@ def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, m
                   "gap": result.gap, "objective_ms": result.objective, "bound_ms": result.bound,
                   "solve_seconds": result.seconds, "ilp_build_seconds": result.stats.get("build_seconds"),
                   "columns": len(f.names), "binaries": f.n_binaries, "rows": len(f.rows),
+                  "tied_instances": len(f.ties), "block_patterns": sum(len(p) for _, p in blocks),
                   "time_limit": limit, "time_limit_source": source, "cutoff_ms": cutoff})
     if result.values is None and result.status == solver.DEADLINE_PASSED:
         stats["fallback"] = f"ilp found no plan better than greedy's in {result.seconds:.1f} s (limit {limit:.3g} s)"

@@ -7,11 +7,13 @@ Variables
            each direction)
   M[j]     bytes the decisions add to memory over segment j of positions (a running sum, so
            every interval touches two rows instead of every position it covers)
+  z[b, p]  binary, tied block instance b takes pattern p (blocks.py), when block classes are given
 Constraints
   one option per group; base + M[j] <= cap on every segment; pinned bytes <= CPU budget;
   a recomputation at position c needs every group it reads present at c (need-time chains), and
   a group's need time is exactly the earliest demand (so the ILP and memory.evaluate agree);
-  a recomputation may not read a CPU-homed weight outside the windows it is streamed in.
+  a recomputation may not read a CPU-homed weight outside the windows it is streamed in;
+  a tied block instance takes one pattern, and its groups' kinds and items' homes are the pattern's.
 Objective
   sum of T[k] (recompute time lands in the windows' compute, launches in their host time), plus
   memory.TIE_BREAK times the seconds of every transfer, recomputation and launch, so equal-time
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .blocks import BlockClass, BlockInstance, Pattern
 from .memory import TIE_BREAK, item_seconds, option_seconds
 from .model import KEEP, OFFLOAD, RECOMPUTE, Problem
 
@@ -53,6 +56,8 @@ class Formulation:
     y: dict[int, int] = field(default_factory=dict)  # item -> column
     T: list[int] = field(default_factory=list)  # window -> column
     M: list[int] = field(default_factory=list)  # segment -> column
+    # tied block instances: (instance, its patterns, a z column per pattern)
+    ties: list[tuple[BlockInstance, list[Pattern], list[int]]] = field(default_factory=list)
     seg_start: list[int] = field(default_factory=list)  # first position of each segment
     seg_terms: list[dict[int, float]] = field(default_factory=list)  # segment -> change of M (scaled bytes)
     byte_unit: float = 1.0
@@ -94,7 +99,9 @@ def _byte_unit(problem: Problem) -> float:
     return float(a * 2 ** max(0, math.ceil(math.log2(scale)))) if scale > 1 else float(a)
 
 
-def formulate(problem: Problem) -> Formulation:
+def formulate(problem: Problem, blocks: list[tuple[BlockClass, list[Pattern]]] = ()) -> Formulation:
+    """The program of the module docstring; blocks: block classes and the patterns their tied
+    instances may take (blocks.py), none for the program over every group's options."""
     f = Formulation()
     f.byte_unit = _byte_unit(problem)
     _decision_columns(problem, f)
@@ -104,8 +111,11 @@ def formulate(problem: Problem) -> Formulation:
     _memory_rows(problem, f)
     _pinned_rows(problem, f)
     _need_time_rows(problem, f)
-    log.info("ILP: %d columns (%d binary), %d rows, %d memory segments", len(f.names), f.n_binaries,
-             len(f.rows), len(f.M))
+    for block, patterns in blocks:
+        _block_rows(problem, f, block, patterns)
+    log.info("ILP: %d columns (%d binary), %d rows, %d memory segments%s", len(f.names), f.n_binaries,
+             len(f.rows), len(f.M), "".join(f", {len(b.instances)} instances of {b.path!r} tied to {len(p)} patterns"
+                                           for b, p in blocks))
     return f
 
 
@@ -263,6 +273,26 @@ def _need_time_rows(problem: Problem, f: Formulation) -> None:
             f.row(f"exact_{gi}_{oj}", coefs, None, 0.0)
 
 
+def _block_rows(problem: Problem, f: Formulation, block: BlockClass, patterns: list[Pattern]) -> None:
+    """Each tied instance takes one pattern: the options of each kind its groups take sum to the
+    patterns giving them that kind, and an item is homed on the CPU as its pattern says. A pattern
+    one instance cannot take (a kind its group lacks) is thereby closed to it."""
+    for instance in block.instances:
+        z = [f.col(f"z_{block.path}_{instance.index}_{k}", 0, 1, True) for k in range(len(patterns))]
+        f.ties.append((instance, patterns, z))
+        f.row(f"pattern_{block.path}_{instance.index}", {c: 1.0 for c in z}, 1.0, 1.0)
+        for j, gi in enumerate(instance.groups):
+            for kind in (KEEP, OFFLOAD, RECOMPUTE):
+                coefs = {f.x[gi, oi]: 1.0 for oi, opt in enumerate(problem.groups[gi].options) if opt.kind == kind}
+                if coefs:
+                    coefs.update({z[k]: -1.0 for k, (kinds, _) in enumerate(patterns) if kinds[j] == kind})
+                    f.row(f"tie_{gi}_{kind}", coefs, 0.0, 0.0)
+        for j, ii in enumerate(instance.items):
+            coefs = {f.y[ii]: 1.0}
+            coefs.update({z[k]: -1.0 for k, (_, homes) in enumerate(patterns) if homes[j]})
+            f.row(f"tie_item_{ii}", coefs, 0.0, 0.0)
+
+
 def start_values(problem: Problem, f: Formulation, options: list[int], cpu: list[bool],
                  window_time: np.ndarray) -> list[float]:
     """A complete assignment of every column for given option indices and homes (warm start)."""
@@ -271,6 +301,11 @@ def start_values(problem: Problem, f: Formulation, options: list[int], cpu: list
         vals[f.x[gi, oi]] = 1.0
     for ii, flag in enumerate(cpu):
         vals[f.y[ii]] = 1.0 if flag else 0.0
+    for instance, patterns, z in f.ties:
+        taken = (tuple(problem.groups[g].options[options[g]].kind for g in instance.groups),
+                 tuple(bool(cpu[i]) for i in instance.items))
+        if taken in patterns:
+            vals[z[patterns.index(taken)]] = 1.0
     for k, t in enumerate(f.T):
         vals[t] = float(window_time[k]) / f.time_unit
     running = 0.0

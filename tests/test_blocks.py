@@ -1,0 +1,157 @@
+"""Repeated blocks planned once (planners/blocks.py): the layers of a step are found as one block
+class, each tied instance takes a whole-block pattern in the ILP, the greedy plan stays feasible
+there (so the ILP's answer is never worse than greedy's), and the tied plan runs bitwise as eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from turnip.memgraph import trace
+from turnip.planners import driver, ilp, solver
+from turnip.planners.blocks import block_patterns, element_of, find_blocks
+from turnip.planners.costs import CostModel
+from turnip.planners.decode_solution import from_solution
+from turnip.planners.greedy import greedy
+from turnip.planners.memory import evaluate
+from turnip.planners.model import KEEP
+
+from turnip.gpt import GPT, GPTConfig, example_batch, lm_loss
+
+
+@pytest.fixture(scope="module")
+def gpt_problem():
+    """turnip/gpt.py's GPT of four layers at 40% of its unplanned peak, analytic costs."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layers=4)
+    model = GPT(cfg)
+    tg = trace(model, lm_loss, example_batch(cfg, batch=2), optimizer=torch.optim.AdamW(model.parameters()))
+    CostModel(measure=False).annotate(tg)
+    return driver.make_problem(tg, int(0.4 * tg.live_peak(alignment=64)), alignment=64)
+
+
+def test_a_module_path_lies_in_the_list_element_of_its_first_number():
+    assert element_of("blocks.3.attn.qkv") == ("blocks", 3)
+    assert element_of("model.layers.17") == ("model.layers", 17)
+    assert element_of("model.layers.2.mlp.experts.5") == ("model.layers", 2)
+    assert element_of("head") is None
+    assert element_of("") is None
+
+
+def test_the_layers_of_a_gpt_are_one_block_class_aligned_group_by_group(gpt_problem):
+    problem = gpt_problem
+    blocks = find_blocks(problem)
+    assert [b.path for b in blocks] == ["blocks"]
+    (block,) = blocks
+    assert len(block.instances) >= 2
+    assert [inst.index for inst in block.instances] == sorted(inst.index for inst in block.instances)
+    tg = problem.tg
+    first = block.instances[0]
+    for inst in block.instances[1:]:
+        assert len(inst.groups) == len(first.groups) > 0
+        for g0, g in zip(first.groups, inst.groups):  # the same op at the same place of each layer
+            v0, v = tg.vertices[problem.groups[g0].vertex], tg.vertices[problem.groups[g].vertex]
+            assert v.op == v0.op
+            assert v.module.replace(f"blocks.{inst.index}", "blocks.*") == \
+                v0.module.replace(f"blocks.{first.index}", "blocks.*")
+        names = [problem.items[i].name.replace(f"blocks.{inst.index}.", "blocks.*.") for i in inst.items]
+        assert names == [problem.items[i].name.replace(f"blocks.{first.index}.", "blocks.*.") for i in first.items]
+        assert names and all(f"blocks.{inst.index}." in problem.items[i].name for i in inst.items)
+
+
+def test_a_step_without_a_repeated_block_has_none():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    tg = trace(model, lambda m, x: m(x).square().mean(), torch.randn(4, 16),
+               optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    CostModel(measure=False).annotate(tg)
+    problem = driver.make_problem(tg, int(0.5 * tg.live_peak(alignment=64)), alignment=64)
+    assert find_blocks(problem) == []
+
+
+class _Widening(nn.Module):
+    """A list of layers of different widths: alike in ops, not in shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_layers_of_other_shapes_are_not_tied_together():
+    model = _Widening()
+    tg = trace(model, lambda m, x: m(x).square().mean(), torch.randn(8, 16),
+               optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    CostModel(measure=False).annotate(tg)
+    problem = driver.make_problem(tg, int(0.5 * tg.live_peak(alignment=64)), alignment=64)
+    for block in find_blocks(problem):
+        assert {inst.index for inst in block.instances} <= {2, 3}  # only the two 32-wide layers are alike
+
+
+def _satisfied(f: ilp.Formulation, values: list[float], tol: float = 1e-6) -> list[str]:
+    broken = []
+    for name, (coefs, lo, hi) in zip(f.row_names, f.rows):
+        total = sum(v * values[c] for c, v in coefs.items())
+        if (lo is not None and total < lo - tol) or (hi is not None and total > hi + tol):
+            broken.append(name)
+    return broken
+
+
+def test_the_greedy_plan_is_a_feasible_start_of_the_tied_program(gpt_problem):
+    problem = gpt_problem
+    dec, ev, _ = greedy(problem)
+    assert ev.feasible
+    blocks = [(b, block_patterns(b, [dec])) for b in find_blocks(problem)]
+    f = ilp.formulate(problem, blocks)
+    assert f.ties and len(f.ties) == sum(len(b.instances) for b, _ in blocks)
+    start = ilp.start_values(problem, f, ev.options, dec.cpu, ev.window_time)
+    assert _satisfied(f, start) == []
+    for _, patterns, z in f.ties:
+        assert sum(start[c] for c in z) == 1.0
+        assert ((KEEP,) * len(patterns[0][0]), (False,) * len(patterns[0][1])) in patterns
+
+
+def test_a_pattern_left_out_cannot_be_taken(gpt_problem):
+    """Ties bind: with only the keep-everything pattern, every tied group keeps and every tied item
+    stays on the GPU, whatever that costs."""
+    problem = gpt_problem
+    blocks = [(b, block_patterns(b, [])) for b in find_blocks(problem)]
+    assert all(len(patterns) == 1 for _, patterns in blocks)
+    f = ilp.formulate(problem, blocks)
+    result = solver.solve(f, None, time_limit=30)
+    if result.values is None:  # keeping whole layers may not fit 40%: then nothing else was allowed
+        return
+    dec = from_solution(problem, f, result.values)
+    for block, _ in blocks:
+        for inst in block.instances:
+            assert all(dec.groups[g] == KEEP for g in inst.groups)
+            assert not any(dec.cpu[i] for i in inst.items)
+
+
+def test_the_tied_ilp_is_never_worse_than_greedy_and_follows_its_patterns(gpt_problem):
+    problem = gpt_problem
+    dec, ev, _ = greedy(problem)
+    blocks = [(b, block_patterns(b, [dec])) for b in find_blocks(problem)]
+    f = ilp.formulate(problem, blocks)
+    start = ilp.start_values(problem, f, ev.options, dec.cpu, ev.window_time)
+    cutoff = sum(c * v for c, v in zip(f.obj, start) if c)
+    result = solver.solve(f, start, time_limit=30, cutoff=cutoff)
+    assert result.values is not None
+    tied = from_solution(problem, f, result.values)
+    assert evaluate(problem, tied).objective <= ev.objective * (1 + 1e-9)
+    for block, patterns in blocks:
+        for inst in block.instances:
+            assert block.pattern(inst, tied) in patterns
+
+
+def test_tie_blocks_false_plans_without_ties(gpt_problem):
+    tg, budget = gpt_problem.tg, gpt_problem.gpu_budget
+    tied = driver.run_plan(tg, budget, alignment=64, method="ilp", time_limit=5)
+    free = driver.run_plan(tg, budget, alignment=64, method="ilp", time_limit=5, tie_blocks=False)
+    assert tied.stats["tied_instances"] > 0 and tied.stats["block_patterns"] > 0
+    assert free.stats["tied_instances"] == 0
+    with pytest.raises(TypeError, match="unknown planner options: tie_block"):
+        driver.run_plan(tg, budget, alignment=64, tie_block=True)
