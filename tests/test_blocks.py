@@ -155,3 +155,34 @@ def test_tie_blocks_false_plans_without_ties(gpt_problem):
     assert free.stats["tied_instances"] == 0
     with pytest.raises(TypeError, match="unknown planner options: tie_block"):
         driver.run_plan(tg, budget, alignment=64, tie_block=True)
+
+
+def test_probes_spread_over_the_chain():
+    from turnip.planners.block_search import spread
+
+    assert spread(24)[:3] == [12, 6, 18]
+    for n in (1, 2, 3, 7, 24, 80):
+        assert sorted(spread(n)) == list(range(n))
+
+
+def test_a_probe_changes_only_the_instance_it_frees_and_the_search_keeps_greedys_patterns(gpt_problem):
+    from turnip.planners import block_search
+
+    problem = gpt_problem
+    dec, ev, _ = greedy(problem)
+    (block,) = find_blocks(problem)
+    f = ilp.formulate(problem)
+    instance = block.instances[len(block.instances) // 2]
+    values = block_search._solve_one_free(problem, f, dec, ev, instance.groups, instance.items, 20, {})
+    assert values is not None
+    probed = from_solution(problem, f, values)
+    outside = [g for g in range(len(problem.groups)) if g not in instance.groups]
+    assert [probed.groups[g] for g in outside] == [dec.groups[g] for g in outside]
+    assert [probed.cpu[i] for i in range(len(problem.items)) if i not in instance.items] == \
+        [dec.cpu[i] for i in range(len(problem.items)) if i not in instance.items]
+    assert evaluate(problem, probed).objective <= ev.objective * (1 + 1e-9)
+    search = block_search.probe_patterns(problem, [block], dec, ev, seconds=30)
+    ((_, patterns),) = search.patterns
+    assert set(block_patterns(block, [dec])) <= set(patterns)
+    assert search.evaluation.objective <= ev.objective * (1 + 1e-9)
+    assert search.improved == (search.evaluation.objective < ev.objective)

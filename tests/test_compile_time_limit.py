@@ -85,13 +85,37 @@ def test_the_ilp_is_given_the_greedy_plan_as_start_and_cutoff(small_gpt, monkeyp
         return real(f, start, **kwargs)
 
     monkeypatch.setattr(solver_mod, "solve", spy)
-    plan = run_plan(tg, budget, alignment=64)
+    plan = run_plan(tg, budget, alignment=64, tie_blocks=False)
     greedy_plan = run_plan(tg, budget, alignment=64, method="greedy")
     f, start = seen["f"], seen["start"]
     assert start is not None
     assert seen["cutoff"] == pytest.approx(sum(c * v for c, v in zip(f.obj, start)))
     assert seen["cutoff"] == pytest.approx(greedy_plan.stats["objective"] / f.time_unit, rel=1e-9)
     assert seen["time_limit"] == plan.stats["time_limit"]
+    assert plan.predicted_time <= greedy_plan.predicted_time
+
+
+def test_with_blocks_tied_the_ilp_starts_from_the_better_of_greedy_and_the_probes(small_gpt, monkeypatch):
+    """The last solve is the tied program's: its start is priced at its cutoff, no higher than the
+    greedy plan's, and it gets what the probes left of the time limit."""
+    tg, budget = small_gpt
+    calls = []
+    real = solver_mod.solve
+
+    def spy(f, start=None, **kwargs):
+        calls.append(dict(kwargs, f=f, start=start))
+        return real(f, start, **kwargs)
+
+    monkeypatch.setattr(solver_mod, "solve", spy)
+    plan = run_plan(tg, budget, alignment=64)
+    greedy_plan = run_plan(tg, budget, alignment=64, method="greedy")
+    last = calls[-1]
+    assert last["f"].ties, "the last program solved is the tied one"
+    assert len(calls) > 1, "block probes ran before it"
+    assert last["cutoff"] == pytest.approx(sum(c * v for c, v in zip(last["f"].obj, last["start"])))
+    assert last["cutoff"] <= greedy_plan.stats["objective"] / last["f"].time_unit * (1 + 1e-9)
+    assert last["time_limit"] <= plan.stats["time_limit"] - plan.stats["probe_seconds"] + 1e-9 \
+        or last["time_limit"] == driver.TIME_LIMIT_FLOOR / 4
     assert plan.predicted_time <= greedy_plan.predicted_time
 
 
