@@ -343,6 +343,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             mg.stats["unplanned_peak"] = peak
             mg.stats["loss_blocks"] = loss_blocks or 1
             mg.stats["compile_seconds"] = time.perf_counter() - started
+            phases = dict(progress.seconds)  # building, still running, is the rest
+            mg.stats["compile_phase_seconds"] = {**phases, "building": mg.stats["compile_seconds"] - sum(phases.values())}
             record_prediction(mg, costs, device)
     report = compile_report(mg)
     log.info("%s", report)

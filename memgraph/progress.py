@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Self
 
@@ -36,6 +37,7 @@ class Phases:
 
     def __init__(self, names: list[str], enabled: bool = True):
         self.names = list(names)
+        self.seconds: dict[str, float] = {}  # wall seconds each phase took, once it ended
         self.enabled = enabled and stderr_is_terminal()
         self.bar = tqdm(total=len(self.names), desc="compile", unit="phase", file=sys.stderr, leave=False,
                         disable=not self.enabled, dynamic_ncols=True,
@@ -46,8 +48,10 @@ class Phases:
     def phase(self, name: str, detail: str = "") -> Iterator[None]:
         """Name `name` (with `detail`, e.g. "ILP, up to 30 s") on the bar while the block runs."""
         self.describe(name, detail)
+        started = time.perf_counter()
         with self._tick() if self.enabled else contextlib.nullcontext():
             yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
         self.bar.update(1)
 
     def describe(self, name: str, detail: str = "") -> None:

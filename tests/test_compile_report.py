@@ -174,3 +174,11 @@ def test_phases_bar_is_silent_when_disabled(capsys):
             pass
         bar.skip("b")
     assert capsys.readouterr().err == ""
+
+
+def test_compile_records_how_long_each_phase_took(planned):
+    phases = planned.stats["compile_phase_seconds"]
+    assert set(phases) == {"tracing", "measuring op costs", "planning", "building"}
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert sum(phases.values()) == pytest.approx(planned.stats["compile_seconds"])
+    assert phases["tracing"] > 0 and phases["planning"] > 0

@@ -125,7 +125,8 @@ def run(workload: Workload, device, steps: int, budget: float, eager_peak: int |
             planner=summary["planner"], predicted_time_s=summary["predicted_time"],
             unplanned_peak=mg.stats.get("unplanned_peak"),
             # the plan's mix: tensors kept / offloaded / recomputed, weights and states homed on the CPU
-            plan_mix=asdict(plan_mix(mg)), loss_blocks=mg.stats.get("loss_blocks", 1))
+            plan_mix=asdict(plan_mix(mg)), loss_blocks=mg.stats.get("loss_blocks", 1),
+            compile_phase_s=mg.stats.get("compile_phase_seconds"))
         if eager_peak and mg.stats.get("unplanned_peak"):
             result.extra["unplanned_peak_within_eager"] = mg.stats["unplanned_peak"] <= eager_peak
         if result.extra["budget_bytes"] is None:
