@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -213,6 +215,29 @@ def _budget(text: str, eager_peak: int | None, peak: int) -> int:
     return int(fraction * eager_peak) if eager_peak else parse_budget(fraction, peak)
 
 
+def variant_regret(tables: list[list[dict]]) -> list[dict]:
+    """For every subset of the planning problems (a plan's "variant": its headroom, max_chain) met
+    in the tables (each the rows of one step at one budget), how much slower the fastest simulated
+    candidate of the subset is than the fastest of all: the worst and the mean over the tables,
+    fewest problems first, then best worst case."""
+    best = []  # per table: variant -> fastest simulated seconds of its candidates
+    for rows in tables:
+        fastest: dict[str, float] = {}
+        for row in rows:
+            key = json.dumps(row.get("variant") or {}, sort_keys=True)
+            fastest[key] = min(fastest.get(key, math.inf), row["simulated_s"])
+        if fastest:
+            best.append(fastest)
+    variants = sorted({key for fastest in best for key in fastest})
+    out = []
+    for count in range(1, len(variants) + 1):
+        for subset in itertools.combinations(variants, count):
+            slower = [min(fastest.get(v, math.inf) for v in subset) / min(fastest.values()) - 1 for fastest in best]
+            out.append({"variants": [json.loads(v) for v in subset], "worst": max(slower),
+                        "mean": sum(slower) / len(slower), "tables": len(slower)})
+    return sorted(out, key=lambda r: (len(r["variants"]), r["worst"]))
+
+
 def format_rows(rows: list[dict]) -> str:
     eager = next((r["eager_step_s"] for r in rows if r.get("eager_step_s")), None)
     lines = [(f"{'budget':>8} {'candidate':<18} {'planner ms':>10} {'sim ms':>8} {'vs eager':>8} {'in':>10} "
@@ -256,6 +281,9 @@ def main(argv=None) -> int:
     pl.add_argument("--host-links", default=None, metavar="H2D,D2H,BOTH",
                     help="bytes/s the host moves over every device's link together, each way and both at once "
                          "('none' for no cap), e.g. 164e9,128e9,190e9 (four H100s of one host)")
+    rg = sub.add_parser("regret", help="which planning problems' candidates win: the fastest simulated candidate of "
+                        "each subset of problems against the fastest of all, over replan files")
+    rg.add_argument("files", nargs="+", help="replan JSON files (each one step's rows at one or more budgets)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -270,6 +298,17 @@ def main(argv=None) -> int:
                        devices=count, casts_travel=args.casts_travel and count > 1)
             for k in [int(x) for x in args.split.split(",") if x]:
                 export(workload, args.device, out, eager=False, loss_blocks=k, analytic_cuda=args.analytic_cuda)
+        return 0
+    if args.command == "regret":
+        tables = []
+        for name in args.files:
+            blob = json.loads(Path(name).read_text())
+            rows = blob["rows"] if isinstance(blob, dict) else blob
+            for budget in dict.fromkeys(row["budget"] for row in rows):
+                tables.append([row for row in rows if row["budget"] == budget])
+        for result in variant_regret(tables):
+            print(f"worst {result['worst']:+7.1%}  mean {result['mean']:+7.2%}  over {result['tables']}: "
+                  f"{' + '.join(json.dumps(v) for v in result['variants'])}")
         return 0
     options = planner_options(args.planner_option)
     step = Path(args.step)

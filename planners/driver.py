@@ -53,8 +53,6 @@ SECONDS_PER_BINARY = 5e-4
 SECONDS_PER_BINARY_MEASURED = 1.5e-2
 TIME_LIMIT_FLOOR = 1.0
 TIME_LIMIT_CAP = 10.0
-SHORT_CHAIN = 1  # plan_candidates' extra problem: recompute chains of at most this many vertices
-NEAR_WHOLE = 0.97
 # seconds the block probes may take (block_search.py), as a share of the ILP's time limit, which the
 # tied program then gets whole: each probe takes well under a second on the H100 exports of gpt1.3b,
 # gpt350m and a Llama (22-24 layers). Taken from the limit instead, the tied program at 50% of
@@ -112,26 +110,21 @@ def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = Non
                     describe: Describe | None = None, **opts) -> list[Plan]:
     """Plans worth building and comparing (memgraph.compile simulates each built one): the plan
     run_plan returns, then the greedy plan the ILP started from when it fits the model too; and,
-    for method "auto" without an explicit headroom, the same two planned against NEAR_WHOLE of the
-    budget and against the whole budget (headroom 1.0), and (without an explicit max_chain) against
-    the whole budget with recompute chains of at most SHORT_CHAIN vertices. The default headroom
-    keeps slack for fragmentation and prefetching, which costs transfers when the budget is only
-    just below the peak; whether the builder fits a plan of the whole budget without evicting more
-    is known only once built."""
+    for method "auto" without an explicit headroom, the same two planned against the whole budget
+    (headroom 1.0). The default headroom keeps slack for fragmentation and prefetching, which costs
+    transfers when the budget is only just below the peak; whether the builder fits a plan of the
+    whole budget without evicting more is known only once built."""
     if not (method == "auto" and "headroom" not in opts):
         return _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, describe, **opts)
     costs = costs if costs is not None else default_costs(tg)
     if not tg.has_costs():  # once, before the threads read the graph
         costs.annotate(tg)
-    # Between the default headroom and the whole budget the simulated step is not monotonic: on the
-    # H100 exports gpt350m at 50% simulates at 81.2 ms with the default, 74.7 with 0.97 and 79.1 with
-    # 0.99 (bench/results/h100/steps; the builder packs a plan of 0.97 without evicting more)
-    variants = [{}, {"headroom": NEAR_WHOLE}, {"headroom": 1.0}]
-    if "max_chain" not in opts:
-        # the greedy search, offered recompute chains, can settle on a plan slower than the best it could
-        # find with single-vertex recomputes (simulated on an H100-priced Llama at 60%: 296.6 ms against
-        # 254.2; at 35% the chains win, 405.0 against 466.8): both are candidates, the simulator picks
-        variants.append({"headroom": 1.0, "max_chain": SHORT_CHAIN})
+    # Two problems, not the four of before (also 97% of the budget, and the whole with recompute chains
+    # of one vertex): on the H100 exports of gpt350m, gpt1.3b and a Llama at 60/50/25/10% of eager's
+    # peak, planned twice with blocks tied, the fastest simulated candidate of these two was at most
+    # 2.9% (mean 0.6%) slower than the fastest of all four, and planning them takes half the threads
+    # (bench/results/h100/replan_blocks/, python -m turnip.bench.replan plan --step ... --budgets ...)
+    variants = [{}, {"headroom": 1.0}]
     # The problems are planned side by side: HiGHS releases the GIL while it solves, so one problem's
     # greedy search and ILP run while another's ILP does (compile time drops by about one ILP time
     # limit per extra problem on a machine with two cores).

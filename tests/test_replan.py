@@ -133,3 +133,21 @@ def test_the_exporting_hosts_update_rate_prices_host_updates_offline():
     facts = {"h2d_bandwidth": 5e10, "d2h_bandwidth": 5e10, "host_per_vertex": 1e-5}
     assert replan.offline_costs(facts).host_update_rate == DeviceSpec.host_update_rate
     assert replan.offline_costs({**facts, "host_update_rate": 6.8e9}).host_update_rate == 6.8e9
+
+
+def test_variant_regret_prices_each_subset_of_problems_against_all():
+    from turnip.bench.replan import variant_regret
+
+    def row(variant, seconds):
+        return {"variant": variant, "simulated_s": seconds}
+
+    tables = [[row({}, 1.0), row({"headroom": 1.0}, 1.2)],  # the default wins here
+              [row({}, 2.2), row({"headroom": 1.0}, 2.0)]]  # the whole budget here
+    results = variant_regret(tables)
+    assert [len(r["variants"]) for r in results] == [1, 1, 2]
+    both = results[-1]
+    assert both["worst"] == 0 and both["mean"] == 0
+    by_variant = {json.dumps(r["variants"][0]): r for r in results[:2]}
+    assert by_variant["{}"]["worst"] == pytest.approx(0.1) and by_variant["{}"]["mean"] == pytest.approx(0.05)
+    assert by_variant['{"headroom": 1.0}']["worst"] == pytest.approx(0.2)
+    assert results[0]["variants"] == [{}]  # the better worst case first among single problems
