@@ -47,9 +47,10 @@ SECONDS_PER_BINARY = 5e-4
 # With op costs measured on the GPU the plan is for real steps, run thousands of times, so the ILP
 # gets longer, up to the cap. The cap was 60 s while the ILP chose every group's option alone: on
 # the H100 export of gpt1.3b at 50% (3,918 binaries) HiGHS needed about 29 s of one core to find the
-# plan that simulates at 201 ms. With repeated blocks tied (blocks.py) it finds one of 205 ms in
-# 10 s (`python -m turnip.bench.replan plan --step bench/results/h100/steps/step_gpt1.3b.step
-# --budgets 0.5`), and compile no longer waits a minute per budget.
+# plan that simulates at 201 ms. With repeated blocks tied (blocks.py) it finds one of 199.3 ms in
+# 10 s (bench/results/h100/replan_blocks/final_gpt1.3b_0.5.json; `python -m turnip.bench.replan plan
+# --step bench/results/h100/steps/step_gpt1.3b.step --budgets 0.5 --planner-option time_limit=10`),
+# and compile no longer waits a minute per budget.
 SECONDS_PER_BINARY_MEASURED = 1.5e-2
 TIME_LIMIT_FLOOR = 1.0
 TIME_LIMIT_CAP = 10.0
@@ -57,7 +58,7 @@ TIME_LIMIT_CAP = 10.0
 # tied program then gets whole: each probe takes well under a second on the H100 exports of gpt1.3b,
 # gpt350m and a Llama (22-24 layers). Taken from the limit instead, the tied program at 50% of
 # gpt1.3b had 6 s and settled on a plan the planner prices at 275.8 ms, against 262.3 in 10 s.
-PROBE_SHARE = 0.4  # plan_candidates' extra problem: planned against this share of the budget
+PROBE_SHARE = 0.4
 
 
 def ilp_time_limit(n_binaries: int, measured: bool = False) -> float:
