@@ -22,10 +22,10 @@ from ..ir.plan import Plan
 from ..ir.sizes import aligned
 from ..ir.taskgraph import TaskGraph
 from . import ilp, solver
-from .costs import CostModel, default_costs
-from .decode_solution import from_solution, to_plan
 from .block_search import probe_patterns
 from .blocks import find_blocks
+from .costs import CostModel, default_costs
+from .decode_solution import from_solution, to_plan
 from .greedy import greedy
 from .memory import Decisions, Evaluation, evaluate
 from .model import Problem
