@@ -74,12 +74,20 @@ def window_times(compute: np.ndarray, host: np.ndarray, h2d: np.ndarray, d2h: np
     return np.maximum(np.maximum(compute, host), link)
 
 
-def need_times(problem: Problem, kinds: list[str]) -> list[int]:
+def need_times(problem: Problem, kinds: list[str], at: list[int] | None = None,
+               only: set[int] | None = None) -> list[int]:
     """When each non-kept group is needed again: its first backward use, pulled earlier by
-    recomputed groups that read it (their recomputation runs at their own need time)."""
-    at = [-1] * len(problem.groups)
-    for gi in problem.latest_first:
+    recomputed groups that read it (their recomputation runs at their own need time). at, only:
+    the need times of other decisions and the groups whose need time may differ from them (those
+    decisions changed, and every group they read, transitively: requirers_closure); the rest are
+    taken from at."""
+    if only is None:
+        at, order = [-1] * len(problem.groups), problem.latest_first
+    else:
+        at, order = list(at), sorted(sorted(only), key=lambda gi: -problem.groups[gi].pos)
+    for gi in order:
         if kinds[gi] == KEEP:
+            at[gi] = -1
             continue
         s = problem.groups[gi].n0
         for hi in problem.required_by[gi]:
@@ -89,19 +97,44 @@ def need_times(problem: Problem, kinds: list[str]) -> list[int]:
     return at
 
 
-def structural_problems(problem: Problem, decisions: Decisions, at: list[int] | None = None) -> list[str]:
-    """Reasons the decisions are outside the option space (independent of budgets)."""
-    return chosen_options(problem, decisions, need_times(problem, decisions.groups) if at is None else at)[1]
+def read_closure(problem: Problem, changed) -> set[int]:
+    """The groups whose need time may change when the decisions of `changed` do: those, and every
+    group their recomputations read, transitively."""
+    seen, stack = set(changed), list(changed)
+    while stack:
+        for gi in problem.groups[stack.pop()].requires:
+            if gi not in seen:
+                seen.add(gi)
+                stack.append(gi)
+    return seen
 
 
-def chosen_options(problem: Problem, decisions: Decisions, at: list[int]) -> tuple[list[int], list[str]]:
+def structural_problems(problem: Problem, decisions: Decisions, at: list[int] | None = None,
+                        only: list[int] | None = None) -> list[str]:
+    """Reasons the decisions are outside the option space (independent of budgets); only: the
+    groups to check (every group when None), e.g. those a move could have made invalid."""
+    at = need_times(problem, decisions.groups) if at is None else at
+    return chosen_options(problem, decisions, at, only)[1]
+
+
+def chosen_options(problem: Problem, decisions: Decisions, at: list[int],
+                   only: list[int] | None = None) -> tuple[list[int], list[str]]:
     """(per group the index of its option for its decision and need time, -1 where it has none; the
-    reasons the decisions are outside the option space)."""
+    reasons the decisions are outside the option space). only: the groups to look at, in order
+    (the others are reported as -1, with no reasons)."""
     lookup = _lookup(problem)
     kinds, cpu, groups = decisions.groups, decisions.cpu, problem.groups
-    found = [lookup.keep[gi] if kind == KEEP else lookup.index[gi].get((kind, at[gi])) for gi, kind in enumerate(kinds)]
+    if only is None:
+        found = [lookup.keep[gi] if kind == KEEP else lookup.index[gi].get((kind, at[gi]))
+                 for gi, kind in enumerate(kinds)]
+        looked = range(len(kinds))
+    else:
+        found = [-1] * len(kinds)
+        for gi in only:
+            found[gi] = lookup.keep[gi] if kinds[gi] == KEEP else lookup.index[gi].get((kinds[gi], at[gi]))
+        looked = only
     out = []
-    for gi in [gi for gi, oi in enumerate(found) if oi is None or (kinds[gi] == RECOMPUTE and lookup.reads[gi])]:
+    for gi in [gi for gi in looked if found[gi] is None or (kinds[gi] == RECOMPUTE and lookup.reads[gi])]:
         g = groups[gi]
         if found[gi] is None:
             out.append(f"group {gi} (vertex {g.vertex}) cannot {kinds[gi]} for position {at[gi]}")

@@ -705,3 +705,26 @@ def test_window_time_counts_both_directions_at_the_links_duplex_rate():
     free = types.SimpleNamespace(bw_h2d=55e9, bw_d2h=55e9, bw_duplex=float("inf"))
     assert window_times(zero, zero, h2d, d2h, capped) == pytest.approx([1.0, 50 / 55])
     assert window_times(zero, zero, h2d, d2h, free) == pytest.approx([50 / 55, 50 / 55])
+
+
+def test_the_greedys_incremental_checks_accept_exactly_the_moves_a_full_check_would(deep_gpt, monkeypatch):
+    """rank_moves rechecks only the groups a move can affect (memory.read_closure); checking every
+    group instead must accept the same moves, on each strategy."""
+    from turnip.planners import greedy as greedy_mod
+    from turnip.planners.memory import read_closure
+
+    tg, peak = deep_gpt
+    problem = make_problem(tg, int(0.25 * peak), alignment=64)
+    quick = {s: greedy_mod.rank_moves(problem, s) for s in greedy_mod.STRATEGIES}
+    monkeypatch.setattr(greedy_mod, "read_closure", lambda problem, changed: set(range(len(problem.groups))))
+    full = {s: greedy_mod.rank_moves(problem, s) for s in greedy_mod.STRATEGIES}
+    assert quick == full and any(quick.values())
+    # need times updated over a closure equal those computed afresh
+    kinds = [KEEP] * len(problem.groups)
+    at = need_times(problem, kinds)
+    for gi in range(0, len(problem.groups), 3):
+        options = {o.kind for o in problem.groups[gi].options}
+        kinds[gi] = RECOMPUTE if RECOMPUTE in options else OFFLOAD
+        updated = need_times(problem, kinds, at, read_closure(problem, [gi]))
+        assert updated == need_times(problem, kinds)
+        at = updated
