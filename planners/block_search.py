@@ -57,7 +57,7 @@ def spread(count: int) -> list[int]:
 def probe_patterns(problem: Problem, blocks: list[BlockClass], decisions: Decisions, evaluation: Evaluation,
                    seconds: float, probes: int = PROBES, **solver_opts) -> Search:
     """Each block class's patterns (the start's, keeping the block, and every probe's answer), and
-    the best plan met, within about `seconds` in all."""
+    the best plan met, within about `seconds` in all (but at least one probe per class)."""
     started = time.perf_counter()
     best, best_ev, improved = decisions, evaluation, False
     found = [set(block_patterns(block, [decisions])) for block in blocks]
@@ -66,13 +66,13 @@ def probe_patterns(problem: Problem, blocks: list[BlockClass], decisions: Decisi
     for block, patterns in zip(blocks, found):
         if untied is None:
             break
-        for index in spread(len(block.instances))[:probes]:
+        for k, index in enumerate(spread(len(block.instances))[:probes]):
             left = seconds - (time.perf_counter() - started)
-            if left <= 0:
+            if left <= 0 and k > 0:  # every class gets one probe, however little time is left
                 break
             instance = block.instances[index]
             values = _solve_one_free(problem, untied, best, best_ev, instance.groups, instance.items,
-                                     left / max(1, count), solver_opts)
+                                     max(left, 0.0) / max(1, count), solver_opts)
             count -= 1
             if values is None:
                 continue

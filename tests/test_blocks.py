@@ -188,3 +188,15 @@ def test_a_probe_changes_only_the_instance_it_frees_and_the_search_keeps_greedys
     assert set(block_patterns(block, [dec])) <= set(patterns)
     assert search.evaluation.objective <= ev.objective * (1 + 1e-9)
     assert search.improved == (search.evaluation.objective < ev.objective)
+
+
+def test_the_greedy_time_bench_times_both_checks_and_restores_the_incremental_one(gpt_problem):
+    from turnip.bench.greedy_time import time_modes
+    from turnip.planners import greedy as greedy_module
+    from turnip.planners.memory import read_closure
+
+    modes = time_modes(gpt_problem, repeat=1)
+    assert set(modes) == {"every group", "incremental"}
+    assert modes["every group"]["objective"] == modes["incremental"]["objective"]
+    assert all(m["greedy_s"] > 0 and m["rank_moves_s"] > 0 for m in modes.values())
+    assert greedy_module.read_closure is read_closure
