@@ -1,10 +1,12 @@
-"""plan(): costs -> Problem -> greedy (baseline, warm start, cutoff) -> ILP -> the better plan -> Plan.
+"""plan(): costs -> Problem -> greedy (baseline, warm start, cutoff) -> block probes -> ILP with
+repeated blocks tied -> the better plan -> Plan.
 
 The ILP runs under a time limit scaled to its size (``ilp_time_limit``: SECONDS_PER_BINARY per
 binary variable, at least TIME_LIMIT_FLOOR, at most TIME_LIMIT_CAP seconds) unless the caller
-gives one. It starts from the greedy plan and prunes whatever cannot beat it (the greedy plan's
-objective is its cutoff), so it always has greedy's plan in hand; when it stops at the limit
-without beating it, the greedy plan is returned.
+gives one; the block probes (block_search.py) take at most PROBE_SHARE of it before. It starts
+from the greedy plan, or the probes' better one, and prunes whatever cannot beat it (that plan's
+objective is its cutoff), so it always has a plan in hand; when it stops at the limit without
+beating greedy's, the greedy plan is returned.
 """
 
 from __future__ import annotations
