@@ -115,7 +115,8 @@ def test_with_blocks_tied_the_ilp_starts_from_the_better_of_greedy_and_the_probe
     assert last["cutoff"] == pytest.approx(sum(c * v for c, v in zip(last["f"].obj, last["start"])))
     assert last["cutoff"] <= greedy_plan.stats["objective"] / last["f"].time_unit * (1 + 1e-9)
     assert last["time_limit"] == plan.stats["time_limit"]
-    assert 0 < plan.stats["probe_seconds"] <= driver.PROBE_SHARE * plan.stats["time_limit"] + 2.0
+    # the first probe runs whatever time is left; a loaded machine may take seconds to build it
+    assert 0 < plan.stats["probe_seconds"] <= driver.PROBE_SHARE * plan.stats["time_limit"] + 5.0
     assert plan.predicted_time <= greedy_plan.predicted_time
 
 
