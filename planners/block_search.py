@@ -54,17 +54,18 @@ def spread(count: int) -> list[int]:
     return order
 
 
-def probe_patterns(problem: Problem, blocks: list[BlockClass], decisions: Decisions, evaluation: Evaluation,
-                   seconds: float, probes: int = PROBES, **solver_opts) -> Search:
+def probe_patterns(problem: Problem, untied: ilp.Formulation, blocks: list[BlockClass], decisions: Decisions,
+                   evaluation: Evaluation, seconds: float, probes: int = PROBES, **solver_opts) -> Search:
     """Each block class's patterns (the start's, keeping the block, and every probe's answer), and
-    the best plan met, within about `seconds` in all (but at least one probe per class)."""
+    the best plan met, within about `seconds` in all (but at least one probe per class). untied:
+    the problem's program without block rows (formulate(problem)), which the probes solve with all
+    but one instance fixed; it is left as it was. No probe runs from decisions that do not fit."""
     started = time.perf_counter()
     best, best_ev, improved = decisions, evaluation, False
     found = [set(block_patterns(block, [decisions])) for block in blocks]
-    untied = ilp.formulate(problem) if blocks and evaluation.feasible else None
     count = sum(min(probes, len(block.instances)) for block in blocks)
     for block, patterns in zip(blocks, found):
-        if untied is None:
+        if not evaluation.feasible:
             break
         for k, index in enumerate(spread(len(block.instances))[:probes]):
             left = seconds - (time.perf_counter() - started)

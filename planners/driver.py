@@ -163,22 +163,23 @@ def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, m
 
     solver_opts = {k: v for k, v in opts.items() if k in _SOLVER_OPTS and v is not None}
     solver_opts.setdefault("gap", 5e-3)  # the cost model itself is not more accurate than this
-    untied_binaries = sum(len(g.options) for g in problem.groups) + len(problem.items)
+    f = ilp.formulate(problem)
     limit, source = ((float(time_limit), "given") if time_limit is not None else
-                     (ilp_time_limit(untied_binaries, bool(getattr(costs, "measure", False))), "auto"))
+                     (ilp_time_limit(f.n_binaries, bool(getattr(costs, "measure", False))), "auto"))
     log.info("ILP time limit %.3g s (%s), %d binaries; %s", limit,
              f"scaled to the problem within {TIME_LIMIT_FLOOR:g}-{TIME_LIMIT_CAP:g} s"
-             if source == "auto" else "given", untied_binaries,
+             if source == "auto" else "given", f.n_binaries,
              f"to beat: the greedy plan's {g_ev.time * 1e3:.3f} ms" if g_ev.feasible else "no greedy plan fits")
     describe(f"ILP, up to {limit:.3g} s")
-    # Repeated blocks: probe a few instances for patterns (block_search.py), then tie every
-    # instance to one of them; the probes' best plan, when better than greedy's, is the ILP's start
+    # Repeated blocks: probe a few instances for patterns (block_search.py, on the untied program),
+    # then tie every instance to one of them; the probes' best plan, when better than greedy's, is
+    # the ILP's start
     found = find_blocks(problem) if opts.get("tie_blocks", True) else []
-    search = probe_patterns(problem, found, g_dec, g_ev, limit * PROBE_SHARE,
+    search = probe_patterns(problem, f, found, g_dec, g_ev, limit * PROBE_SHARE,
                             **{k: v for k, v in solver_opts.items() if k != "gap"}) if found else None
     blocks = search.patterns if search else []
     s_dec, s_ev = (search.decisions, search.evaluation) if search else (g_dec, g_ev)
-    f = ilp.formulate(problem, blocks)
+    ilp.tie_blocks(problem, f, blocks)
     start = ilp.start_values(problem, f, s_ev.options, s_dec.cpu, s_ev.window_time) if s_ev.feasible else None
     # what the ILP must beat: its warm start (the greedy plan, or the probes' better one) as it prices it
     cutoff = sum(c * v for c, v in zip(f.obj, start) if c) if start is not None else None

@@ -111,12 +111,19 @@ def formulate(problem: Problem, blocks: list[tuple[BlockClass, list[Pattern]]] =
     _memory_rows(problem, f)
     _pinned_rows(problem, f)
     _need_time_rows(problem, f)
+    log.info("ILP: %d columns (%d binary), %d rows, %d memory segments", len(f.names), f.n_binaries,
+             len(f.rows), len(f.M))
+    tie_blocks(problem, f, blocks)
+    return f
+
+
+def tie_blocks(problem: Problem, f: Formulation, blocks: list[tuple[BlockClass, list[Pattern]]]) -> None:
+    """Add the block rows (and their z columns) to a program formulated without them: the tied
+    program, the same as formulate(problem, blocks) gives."""
     for block, patterns in blocks:
         _block_rows(problem, f, block, patterns)
-    log.info("ILP: %d columns (%d binary), %d rows, %d memory segments%s", len(f.names), f.n_binaries,
-             len(f.rows), len(f.M), "".join(f", {len(b.instances)} instances of {b.path!r} tied to {len(p)} patterns"
-                                           for b, p in blocks))
-    return f
+        log.info("ILP: %d instances of %r tied to %d patterns (%d columns, %d binary, %d rows in all)",
+                 len(block.instances), block.path, len(patterns), len(f.names), f.n_binaries, len(f.rows))
 
 
 def _decision_columns(problem: Problem, f: Formulation) -> None:

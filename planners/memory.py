@@ -79,7 +79,7 @@ def need_times(problem: Problem, kinds: list[str], at: list[int] | None = None,
     """When each non-kept group is needed again: its first backward use, pulled earlier by
     recomputed groups that read it (their recomputation runs at their own need time). at, only:
     the need times of other decisions and the groups whose need time may differ from them (those
-    decisions changed, and every group they read, transitively: requirers_closure); the rest are
+    decisions changed, and every group they read, transitively: read_closure); the rest are
     taken from at."""
     if only is None:
         at, order = [-1] * len(problem.groups), problem.latest_first

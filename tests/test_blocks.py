@@ -183,7 +183,9 @@ def test_a_probe_changes_only_the_instance_it_frees_and_the_search_keeps_greedys
     assert [probed.cpu[i] for i in range(len(problem.items)) if i not in instance.items] == \
         [dec.cpu[i] for i in range(len(problem.items)) if i not in instance.items]
     assert evaluate(problem, probed).objective <= ev.objective * (1 + 1e-9)
-    search = block_search.probe_patterns(problem, [block], dec, ev, seconds=30)
+    bounds = (list(f.lb), list(f.ub), len(f.names), len(f.rows))
+    search = block_search.probe_patterns(problem, f, [block], dec, ev, seconds=30)
+    assert (f.lb, f.ub, len(f.names), len(f.rows)) == bounds  # the untied program is left as it was
     ((_, patterns),) = search.patterns
     assert set(block_patterns(block, [dec])) <= set(patterns)
     assert search.evaluation.objective <= ev.objective * (1 + 1e-9)
