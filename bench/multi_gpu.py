@@ -71,12 +71,13 @@ def d2d_bytes(mg) -> int:
 
 def run_turnip(workload: Workload, device_type: str, devices: int, budget: float, eager_peak: int | None,
                steps: int, warmup: int, timeline: Path | None = None, planner: str = "auto",
-               host_update: str = "off") -> dict:
+               host_update: str = "off", weight_layout: str = "auto") -> dict:
     """One turnip row: compile for `devices` devices within `budget` (a fraction of eager_peak per
     device, or of the unplanned peak without one), time the steps, read each device's peak.
-    host_update: compile's (the updates on the host's cores: the workload's optimizer fused)."""
+    host_update: compile's (the updates on the host's cores: the workload's optimizer fused);
+    weight_layout: compile's (the row records the layout taken and each layout's simulated step)."""
     result = PeerResult("turnip", extra={"devices": devices, "budget": budget, "planner_requested": planner,
-                                         "host_update": host_update})
+                                         "host_update": host_update, "weight_layout_requested": weight_layout})
     arg = int(budget * eager_peak) if eager_peak else budget
     model = workload.model
     optimizer = workload.optimizer(trainable(model))
@@ -87,14 +88,17 @@ def run_turnip(workload: Workload, device_type: str, devices: int, budget: float
     try:
         mg = memgraph.compile(model, workload.loss_fn, workload.batch_on(device_type), optimizer=optimizer,
                               budget=arg, device=device_type, devices=devices, planner=planner, verbose=False,
-                              host_update=host_update, **fused)
+                              host_update=host_update, weight_layout=weight_layout, **fused)
     except memgraph.InfeasibleBudget as exc:
         result.status, result.error = "infeasible", str(exc)[:600]
         return result.row()
     result.extra.update(compile_s=time.perf_counter() - started, budget_bytes=mg.plan.gpu_budget,
                         arena_bytes=mg.arena_bytes, cpu_bytes=mg.cpu_bytes, vertices=len(mg.vertices),
                         segments=len(mg.segments), bytes_d2d=d2d_bytes(mg), planner=mg.plan.planner,
-                        unplanned_peak=mg.stats.get("unplanned_peak"), host_updates=len(mg.plan.host_update))
+                        unplanned_peak=mg.stats.get("unplanned_peak"), host_updates=len(mg.plan.host_update),
+                        weight_layout=mg.stats.get("weight_layout"),
+                        weight_layouts_simulated_s=mg.stats.get("weight_layouts_simulated_s"),
+                        compile_phase_s=mg.stats.get("compile_phase_seconds"))
     release_memory(device_type)
     reset_peaks(device_type, devices)
     timed_steps(result, lambda: engine.run(mg, batch)["loss"], steps, device_type, warmup=warmup)
@@ -152,7 +156,7 @@ def run_budget_isolated(args, budget: float, eager_peak: int | None, eager: bool
         cmd = [sys.executable, "-m", "turnip.bench", "multi_gpu", "--devices", str(args.devices), "--model", args.model,
                "--device", args.device, "--budgets", f"{budget:g}", "--steps", str(args.steps), "--warmup",
                str(args.warmup), "--planner", args.planner, "--host-update", args.host_update, "--no-plots",
-               "--out", str(out)]
+               "--weight-layout", args.weight_layout, "--out", str(out)]
         cmd += ["--tiny"] * args.tiny + ["--one-device-too"] * args.one_device_too
         if not eager:
             cmd += ["--eager-peak", str(eager_peak)] if eager_peak is not None else ["--no-eager"]
@@ -186,6 +190,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--planner", default="auto", help="memgraph.compile's planner: auto, ilp, greedy, none")
     parser.add_argument("--host-update", default="off", choices=("off", "auto", "all"),
                         help="memgraph.compile's host_update (experimental): optimizer updates on the host's cores")
+    parser.add_argument("--weight-layout", default="auto", choices=("auto", "replicas", "casts"),
+                        help="memgraph.compile's weight_layout: replicas of every weight on every device, or the "
+                             "weights' autocast casts made on their owners and sent; auto: the simulator picks")
     parser.add_argument("--one-device-too", action="store_true", help="turnip on one device at each budget too")
     parser.add_argument("--ranks", action="store_true", help="turnip over --devices ranks too at each budget (one "
                         "process per GPU under torchrun, compile's process_group=), beside the one-process rows")
@@ -225,7 +232,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for devices in ([1] if args.one_device_too else []) + [args.devices]:
             timeline = out.with_name(f"{out.stem}_d{devices}_{budget:g}.timeline.json") if args.timelines else None
             row = run_turnip(workload, args.device, devices, budget, eager_peak, args.steps, args.warmup, timeline,
-                             args.planner, args.host_update)
+                             args.planner, args.host_update, args.weight_layout)
             rows.append(row)
             log.info("turnip x%d @ %.0f%%: %s ms, peak %s per device", devices, budget * 100,
                      f"{row['step_s_median'] * 1e3:.1f}" if row.get("step_s_median") else row.get("error"),

@@ -70,7 +70,7 @@ def export(workload: Workload, device: str, out: Path, eager: bool = True, loss_
     model as a CUDA step (a stand-in for planner experiments, not the GPU's measured costs).
     devices: N > 1 traces the step over N devices of ``device``'s kind (compile's ``devices=N``),
     each on the workload's batch; the device-to-device bandwidth is measured when N GPUs exist.
-    casts_travel: the layout compile takes below CASTS_TRAVEL_BELOW on several devices (each trained
+    casts_travel: the layout compile plans beside replicas below the unplanned peak (each trained
     weight's autocast cast made once, on its owner, and sent; trace/data_parallel.py), "_casts" in
     the file's name."""
     started = time.perf_counter()
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     ex.add_argument("--devices", default="1", help="comma-separated device counts: each exported as a step over that "
                     "many devices (compile's devices=N), e.g. 1,2,4")
     ex.add_argument("--casts-travel", action="store_true", help="the steps over several devices in the layout "
-                    "compile takes below half their unplanned peak: weights' casts made on their owner and sent")
+                    "compile plans beside replicas below the unplanned peak: weights' casts made on their owner and sent")
     ex.add_argument("--split", default="", help="comma-separated row-block counts: also export the step with its "
                     "loss head split (trace/split_loss.py), e.g. 4,8")
     pl = sub.add_parser("plan", help="plan and simulate an exported step at some budgets")

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -68,7 +69,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             accumulation_steps: int = 1, verbose: bool = True, cache: bool | str | os.PathLike = True,
             backward: bool = True, split: str | int = "auto", host_update: str = "off",
             devices: int | list | None = None, process_group=None, rank_bandwidth: float | None = None,
-            **planner_options) -> MemGraph:
+            weight_layout: str = "auto", **planner_options) -> MemGraph:
     """Compile one training step of `model` into a MemGraph that runs within `budget` GPU bytes.
 
     budget: how much GPU memory the step may use (ir/budget.py):
@@ -144,9 +145,9 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     every gradient then divided by their count (DDP's averaging; trace/data_parallel.py). Each
     parameter's gradient is summed on the device that owns its update, the update and its optimizer
     states live there, and the other devices' replicas of the weight are refreshed from it by
-    device-to-device copies; below CASTS_TRAVEL_BELOW of the unplanned peak, a weight read only
-    through its autocast cast keeps no replica: the owner casts it and sends the cast (ZeRO-3's
-    sharding, in the compute dtype). The budget is per device. engine.run(mg, batch) takes a list of one
+    device-to-device copies, or, where a weight is read only through its autocast cast, it may keep
+    no replica: the owner casts it and sends the cast (ZeRO-3's sharding, in the compute dtype);
+    weight_layout says which. The budget is per device. engine.run(mg, batch) takes a list of one
     batch per device, or one batch with devices x the example's rows (split along dim 0);
     out["losses"] holds each device's loss and out["loss"] their mean. The planners see the devices as
     one device with N times the budget (plan_step says why that holds and what it misses). Not yet:
@@ -166,6 +167,13 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     default: measured between ranks 0 and 1 at compile on CUDA (memgraph/ranks.py), the spec's
     25 GB/s (a 200 Gb/s NIC) on the CPU. Not yet: random ops (dropout), and more than one GPU
     per rank on CUDA.
+    weight_layout: on several devices (or ranks), where the weights live between their uses:
+    "replicas" (a copy of every weight on every device, refreshed after its update), "casts" (a
+    weight read only through its autocast cast lives on its owner; the cast travels), or "auto"
+    (default): replicas where the step fits its budget whole, and below that both layouts planned
+    and built, the simulator keeping the faster (fastest_layout; planning takes about twice as
+    long). mg.stats["weight_layouts_simulated_s"] gives both layouts' simulated steps. A step
+    without autocast casts of trained weights has replicas only.
     planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
     the ILP solver may run; default None, scaled to the problem: planners/driver.py's
     ilp_time_limit, 0.5 ms per binary variable, 15 ms with op costs measured on the GPU, within
@@ -178,6 +186,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     gpu_limit = Budget.read(budget)  # read once, here: a budget that cannot be read fails before tracing
     check_clipping(max_grad_norm)
     check_host_update(host_update)
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {', '.join(map(repr, WEIGHT_LAYOUTS))}, not {weight_layout!r}")
     cpu_limit = Budget.read(cpu_budget, what="cpu_budget") if cpu_budget is not None else None
     store = PlanCache.open(cache)
     if planner != "none":  # so are unknown planners and options (a cached plan would not see them)
@@ -195,6 +205,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
         agree(ranks, configuration(model, example_batch, optimizer, device, device_count, budget, {
             "planner": planner, "split": split, "max_grad_norm": max_grad_norm, "host_update": host_update,
             "accumulation_steps": accumulation_steps, "fused_optimizer": fused_optimizer, "backward": backward,
+            "weight_layout": weight_layout,
             **{k: v for k, v in planner_options.items() if k != "costs"}}), device)
         broadcast_weights(model, ranks, device)
         connect(ranks, device)
@@ -238,21 +249,6 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             cpu_bytes = cpu_limit.bytes(peak) if cpu_limit is not None else None
             log.debug("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
                       time.perf_counter() - started, format_bytes(peak), format_bytes(gpu_budget))
-            casts_travel = tg.devices * tg.ranks > 1 and planner != "none" and \
-                gpu_budget < CASTS_TRAVEL_BELOW * peak and step.casts_weights()
-            if ranks is not None:  # the step every rank slices must be one: any rank's need decides
-                casts_travel = any(ranks.exchange(casts_travel, device))
-            if casts_travel:
-                progress.describe("planning", "placing again: the weights' casts travel, not the weights")
-                log.info("budget %s is below %.0f%% of the unplanned peak %s: each weight's autocast cast is made "
-                         "on its owner and sent, in place of a replica on every device", format_bytes(gpu_budget),
-                         100 * CASTS_TRAVEL_BELOW, format_bytes(peak))
-                tg = finished(casts_travel=True)
-                if split == "auto":
-                    traced, tg = tg, donated(tg)
-                costs.annotate(tg)
-                keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=alignment, compact=True)
-                peak = unplanned_peak(keep_all)
             if traced is not None and planner != "none" and tg.devices * tg.ranks == 1 and \
                     gpu_budget < smallest_budget(tg, alignment):
                 tg, loss_blocks = split_to_fit(traced, tg, gpu_budget, alignment, costs, progress)
@@ -260,61 +256,93 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                 whole = undonated_if_it_fits(traced, gpu_budget, alignment, costs)
                 if whole is not None:
                     tg, keep_all, peak = whole
+            layouts = [Layout(tg, keep_all, peak, casts_travel=False)]
+            if tg.devices * tg.ranks > 1 and planner != "none" and weight_layout != "replicas":
+                casts = (weight_layout == "casts" or gpu_budget < peak) and step.casts_weights()
+                if ranks is not None:  # the step every rank slices must be one: any rank's need decides
+                    casts = any(ranks.exchange(casts, device))
+                if casts:
+                    progress.describe("planning", "placing again: the weights' casts travel, not the weights")
+                    travelling = finished(casts_travel=True)
+                    if split == "auto":
+                        travelling = donated(travelling)
+                    costs.annotate(travelling)
+                    keep_travelling = build(travelling, Plan(gpu_budget=UNBOUNDED, planner="none"),
+                                            alignment=alignment, compact=True)
+                    layout = Layout(travelling, keep_travelling, unplanned_peak(keep_travelling), casts_travel=True)
+                    layouts = [layout] if weight_layout == "casts" else [*layouts, layout]
+                    log.info("budget %s is below the unplanned peak %s on %d devices: %s", format_bytes(gpu_budget),
+                             format_bytes(peak), tg.devices * tg.ranks,
+                             "the weights' autocast casts made on their owners and sent, in place of replicas"
+                             if weight_layout == "casts" else "both layouts of the weights planned, the simulator "
+                             "picks (replicas on every device, or casts made on their owners and sent)")
 
-            def key_for(cpu_bytes: int | None) -> str:
-                return plan_key(tg, gpu_budget, cpu_bytes, device=str(device), planner=planner,
+            def key_for(layout: Layout, cpu_bytes: int | None) -> str:
+                return plan_key(layout.tg, gpu_budget, cpu_bytes, device=str(device), planner=planner,
                                 options={**planner_options, **host_update_facts(host_update, costs)},
                                 alignment=alignment, costs=costs)
 
-            candidates, key, hit = None, None, None
-            if gpu_budget < peak and planner != "none" and store is not None:
-                key = key_for(cpu_bytes)
-                hit = store.load(key, tg, gpu_budget, cpu_bytes)
-            if hit is not None:
-                progress.describe("planning", "cached plan")
-            elif gpu_budget < peak:
-                progress.describe("planning", _planning_detail(planner, planner_options))
-                candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
-                                       planner_options, host_update)
+            for layout in layouts:
+                if len(layouts) > 1:
+                    progress.describe("planning", f"{layout.name}: {_planning_detail(planner, planner_options)}")
+                if layout.peak <= gpu_budget:
+                    continue
+                if planner != "none" and store is not None:
+                    layout.key = key_for(layout, cpu_bytes)
+                    layout.hit = store.load(layout.key, layout.tg, gpu_budget, cpu_bytes)
+                if layout.hit is not None:
+                    progress.describe("planning", "cached plan")
+                else:
+                    if len(layouts) == 1:
+                        progress.describe("planning", _planning_detail(planner, planner_options))
+                    layout.candidates = plan_step(layout.tg, gpu_budget, cpu_bytes, planner, device, costs, alignment,
+                                                  progress, planner_options, host_update)
 
-        def built(candidates: list[Plan]) -> tuple[MemGraph, InfeasibleBudget | None]:
-            mg, walk, short = build_candidates(tg, candidates, alignment, costs, device.type)
-            mg.stats["build_walk"] = walk
-            return mg, short
-
-        def stored(mg: MemGraph, cpu_bytes: int | None, key: str | None) -> MemGraph:
+        def stored(mg: MemGraph, layout: Layout, cpu_bytes: int | None) -> MemGraph:
             if planner != "none":
-                mg.stats["plan_cache"] = "off" if key is None else "miss"
-            if key is not None:
-                store.store(key, CachedPlan(mg.plan, mg.stats["build_walk"], mg.stats.get("simulated_step_s")), about={
-                    "device": str(device), "device_name": device_name(str(device)), "planner": planner,
-                    "gpu_budget": gpu_budget, "cpu_budget": cpu_bytes, "vertices": len(tg.vertices)})
+                mg.stats["plan_cache"] = "off" if layout.key is None else "miss"
+            if layout.key is not None:
+                store.store(layout.key, CachedPlan(mg.plan, mg.stats["build_walk"], mg.stats.get("simulated_step_s")),
+                            about={"device": str(device), "device_name": device_name(str(device)),
+                                   "planner": planner, "gpu_budget": gpu_budget, "cpu_budget": cpu_bytes,
+                                   "vertices": len(layout.tg.vertices)})
             return mg
 
-        def build_and_store(candidates: list[Plan], cpu_bytes: int | None, key: str | None) -> MemGraph:
-            return stored(built(candidates)[0], cpu_bytes, key)
+        def built_layout(layout: Layout) -> MemGraph:
+            """The MemGraph of one layout's plans (or its cached plan, or everything kept)."""
+            tg = layout.tg
 
-        with progress.phase("building"):
-            mg = build_cached(tg, hit, alignment) if hit is not None else None
-            if hit is not None and mg is None:  # the cached plan did not build: plan afresh, overwrite it
-                candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
-                                       planner_options, host_update)
+            def built(candidates: list[Plan]) -> tuple[MemGraph, InfeasibleBudget | None]:
+                mg, walk, short = build_candidates(tg, candidates, alignment, costs, device.type)
+                mg.stats["build_walk"] = walk
+                return mg, short
+
+            mg = build_cached(tg, layout.hit, alignment) if layout.hit is not None else None
+            if layout.hit is not None and mg is None:  # the cached plan did not build: plan afresh, overwrite it
+                layout.candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
+                                              planner_options, host_update)
             if mg is not None:
                 mg.stats["plan_cache"] = "hit"
-            elif candidates is None:  # everything fits: nothing to plan
+                return mg
+            if layout.candidates is None:  # everything fits: nothing to plan
                 if host_update != "off":
                     log.info("the step fits its budget: every update stays on the GPU (host_update=%r applies "
                              "below the unplanned peak)", host_update)
-                mg = keep_everything(tg, keep_all, gpu_budget, cpu_bytes, alignment)
-            else:
-                def replanned(scale: float) -> list[Plan]:
-                    progress.describe("building", "planning again for less: a device's share did not fit")
-                    return plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
-                                     planner_options, host_update, scale=scale)
+                return keep_everything(tg, layout.keep_all, gpu_budget, cpu_bytes, alignment)
 
-                faster = functools.partial(faster_simulated, costs=costs, backend=device.type)
-                mg = stored(built_on_every_device(candidates, built, replanned, gpu_budget, tg.devices, faster),
-                            cpu_bytes, key)
+            def replanned(scale: float) -> list[Plan]:
+                progress.describe("building", "planning again for less: a device's share did not fit")
+                return plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
+                                 planner_options, host_update, scale=scale)
+
+            faster = functools.partial(faster_simulated, costs=costs, backend=device.type)
+            return stored(built_on_every_device(layout.candidates, built, replanned, gpu_budget, tg.devices, faster),
+                          layout, cpu_bytes)
+
+        with progress.phase("building"):
+            layout, mg = fastest_layout(layouts, built_layout, costs, device.type, ranks, device)
+            tg, keep_all, peak = layout.tg, layout.keep_all, layout.peak
+            candidates, hit, key = layout.candidates, layout.hit, layout.key
             # pinned memory is page-locked: a plan that pins more than the host has is planned again
             # within it (or refused) here, not found out when the engine pins it
             host_cpu_bytes = within_host(mg.cpu_bytes, pinnable_bytes() if device.type == "cuda" else None,
@@ -324,10 +352,12 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                 log.warning("the plan pins %s of host memory; %s: planning again within %s",
                             format_bytes(mg.cpu_bytes), describe_host(), format_bytes(cpu_bytes))
                 progress.describe("building", "planning again within the host's memory")
-                key = key_for(cpu_bytes) if key else None
+                layout.key = key_for(layout, cpu_bytes) if key else None
+                layout.hit = None
                 try:
-                    mg = build_and_store(plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment,
-                                                   progress, planner_options, host_update), cpu_bytes, key)
+                    layout.candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment,
+                                                  progress, planner_options, host_update)
+                    mg = built_layout(layout)
                 except InfeasibleBudget as exc:
                     raise InfeasibleBudget(f"{exc} ({describe_host()}; a larger GPU budget needs less of it)",
                                            minimum=exc.minimum, vertex=exc.vertex, resource=exc.resource) from None
@@ -341,6 +371,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             mg.names = dict(tg.state_names)
             mg.device = str(device)
             mg.stats["unplanned_peak"] = peak
+            if tg.devices * tg.ranks > 1:
+                mg.stats["weight_layout"] = layout.name
             mg.stats["loss_blocks"] = loss_blocks or 1
             mg.stats["compile_seconds"] = time.perf_counter() - started
             phases = dict(progress.seconds)  # building, still running, is the rest
@@ -514,14 +546,63 @@ def planning_budget(tg, gpu_budget: int) -> int:
     return gpu_budget * tg.devices - tg.devices * home_imbalance(tg)
 
 
-# On several devices, a per-device budget below this fraction of the unplanned peak (everything kept,
-# weights replicated) places the traced step again with the weights' autocast casts made on their owners
-# and sent (trace/data_parallel.py, weight_casts): no fp32 replica of a weight on every device,
-# more device-to-device traffic. gpt1.3b on four H100s (2026-11-28): at 34% of that peak the casts
-# ran 457 ms against the replicas' 736 (the host link carried 22 GB instead of 41); at 69%, 301
-# against 253 (the planner recomputes more). A planner choosing per weight is the goal; this
-# threshold stands between the two measured points until then.
-CASTS_TRAVEL_BELOW = 0.5
+WEIGHT_LAYOUTS = ("auto", "replicas", "casts")
+
+
+@dataclass
+class Layout:
+    """One placement of a step over several devices, planned and built beside the others
+    (compile's weight_layout): the TaskGraph, its everything-kept MemGraph and peak, and what
+    planning found for it (the plan cache's key and hit, or the candidate plans)."""
+
+    tg: TaskGraph
+    keep_all: MemGraph
+    peak: int
+    casts_travel: bool  # each weight's autocast cast made on its owner and sent (trace/data_parallel.py)
+    key: str | None = None
+    hit: object | None = None
+    candidates: list[Plan] | None = None
+
+    @property
+    def name(self) -> str:
+        return "casts" if self.casts_travel else "replicas"
+
+
+def fastest_layout(layouts: list[Layout], built_layout, costs, backend: str, ranks=None, device=None
+                   ) -> tuple[Layout, MemGraph]:
+    """The layout whose MemGraph (``built_layout(layout)``) the simulator runs faster, and that
+    MemGraph; over several ranks, the layout whose slowest rank is fastest, so every rank takes the
+    same. Neither layout wins everywhere: gpt1.3b on two H200s (op costs measured there, simulated)
+    ran 179.6 ms with the casts travelling against 199.1 with replicas at 50% of eager's peak, and
+    the 4-GPU H100 host measured the replicas faster at 69% of the unplanned peak (252.6 against
+    300.9 ms, bench/results/2026-11-28_h100x4_casts-travel.md). A layout none of whose plans fits
+    a device gives way to the others; where every one fails, the first one's refusal is raised."""
+    if len(layouts) == 1:
+        return layouts[0], built_layout(layouts[0])
+    built, refusals = [], []
+    for layout in layouts:
+        try:
+            built.append((layout, built_layout(layout)))
+        except InfeasibleBudget as exc:
+            log.info("the %s layout does not fit: %s", layout.name, exc)
+            refusals.append(exc)
+    times = []
+    for layout, mg in built:
+        if "simulated_step_s" not in mg.stats:
+            mg.stats["simulated_step_s"] = simulate(mg, costs, backend=backend).step_time
+        times.append(mg.stats["simulated_step_s"])
+    if ranks is not None:  # every rank's times, in layout order (math.inf: that rank could not build it)
+        mine = [next((t for (lay, _), t in zip(built, times) if lay is layout), math.inf) for layout in layouts]
+        slowest = [max(column) for column in zip(*ranks.exchange(mine, device))]
+        times = [slowest[layouts.index(layout)] for layout, _ in built]
+    if not built or min(times) == math.inf:
+        raise refusals[0]
+    best = min(range(len(built)), key=lambda k: times[k])
+    layout, mg = built[best]
+    mg.stats["weight_layouts_simulated_s"] = {lay.name: t for (lay, _), t in zip(built, times)}
+    log.info("weights: %s (simulated %s)", layout.name,
+             ", ".join(f"{lay.name} {t * 1e3:.1f} ms" for (lay, _), t in zip(built, times)))
+    return layout, mg
 
 
 MULTI_DEVICE_PLANS = 4  # plans built_on_every_device tries before it gives the builder's refusal

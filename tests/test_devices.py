@@ -10,7 +10,9 @@ import pytest
 import torch
 from cases import bf16_autocast, make_case
 from turnip.ir.batch import BatchError
+from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import Stream
+from turnip.memgraph import compiler
 from turnip.trace.errors import UnsupportedFeature
 
 from turnip import engine, memgraph
@@ -52,11 +54,11 @@ def gpt_case():
     return make_case("gpt")
 
 
-def compiled(case, devices: int, budget=None, max_grad_norm=None):
+def compiled(case, devices: int, budget=None, max_grad_norm=None, **options):
     model, loss_fn, batches = case
     model = copy.deepcopy(model)
     return memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(model.parameters()), device="cpu",
-                            devices=devices, budget=budget, max_grad_norm=max_grad_norm, verbose=False)
+                            devices=devices, budget=budget, max_grad_norm=max_grad_norm, verbose=False, **options)
 
 
 def assert_matches_eager(mg, case, devices, ordering="nondeterministic", seed=None, max_grad_norm=None):
@@ -274,8 +276,6 @@ def test_a_plan_a_device_cannot_hold_is_made_again_for_less():
     """built_on_every_device: a plan whose share on one device needs more than its budget is made
     again for budget / need of the budget (and for at least 5% less), until it builds; one device, or
     the last plan, raises the builder's refusal as it was."""
-    from turnip.ir.errors import InfeasibleBudget
-    from turnip.memgraph import compiler
 
     scales = []
 
@@ -319,10 +319,10 @@ def autocast_case():
 @pytest.mark.parametrize("devices", [2, 3])
 @pytest.mark.parametrize("budget", [0.45, 0.35])
 def test_weights_cast_for_autocast_are_cast_once_on_their_owner_and_stay_bitwise(autocast_case, devices, budget):
-    """Under bf16 autocast and a budget below CASTS_TRAVEL_BELOW of the unplanned peak, each Linear
-    weight is cast on its owner, once for every device, and the devices receive the cast: no
-    replica of it anywhere, and eager's numbers bit for bit."""
-    mg = compiled(autocast_case, devices, budget=budget)
+    """Under bf16 autocast, weight_layout "casts": each Linear weight is cast on its owner, once
+    for every device, and the devices receive the cast: no replica of it anywhere, and eager's
+    numbers bit for bit."""
+    mg = compiled(autocast_case, devices, budget=budget, weight_layout="casts")
     assert memgraph.verify(mg) == []
     tg = mg.taskgraph
     weight_casts = [v for v in tg.vertices if v.op == "aten::_to_copy" and v.phase == "forward"
@@ -341,17 +341,67 @@ def test_weights_cast_for_autocast_are_cast_once_on_their_owner_and_stay_bitwise
         assert_matches_eager(mg, autocast_case, devices, ordering, seed=5)
 
 
-def test_above_the_threshold_every_device_keeps_a_replica_and_casts_it(autocast_case):
-    """With the budget at or above CASTS_TRAVEL_BELOW of the unplanned peak, the weights stay
-    replicated: each device casts its own replica."""
-    from turnip.memgraph.compiler import CASTS_TRAVEL_BELOW
-
-    mg = compiled(autocast_case, 2, budget=min(0.9, CASTS_TRAVEL_BELOW + 0.2))
+def replica_casts(mg) -> list:
     tg = mg.taskgraph
-    casts = [v for v in tg.vertices if v.op == "aten::_to_copy" and v.phase == "forward"
-             and tg.values[next(iter(v.inputs()))].name.startswith("replica1:param:blocks.0.")]
+    return [v for v in tg.vertices if v.op == "aten::_to_copy" and v.phase == "forward"
+            and tg.values[next(iter(v.inputs()))].name.startswith("replica1:param:blocks.0.")]
+
+
+def test_with_replicas_every_device_keeps_a_replica_and_casts_it(autocast_case):
+    """weight_layout "replicas": the weights stay replicated, each device casts its own replica."""
+    mg = compiled(autocast_case, 2, budget=0.45, weight_layout="replicas")
+    casts = replica_casts(mg)
     assert casts and all(v.device == 1 for v in casts)
+    assert "weight_layouts_simulated_s" not in mg.stats
     assert_matches_eager(mg, autocast_case, 2, "random", seed=5)
+
+
+def test_auto_plans_both_layouts_below_the_peak_and_keeps_the_faster(autocast_case):
+    """weight_layout "auto" (the default): below the unplanned peak both layouts are planned and
+    built, and the one the simulator runs faster is the MemGraph; at the peak, replicas alone."""
+    mg = compiled(autocast_case, 2, budget=0.45)
+    times = mg.stats["weight_layouts_simulated_s"]
+    assert set(times) == {"replicas", "casts"}
+    kept = "replicas" if replica_casts(mg) else "casts"
+    assert times[kept] == min(times.values()) == mg.stats["simulated_step_s"]
+    assert_matches_eager(mg, autocast_case, 2, "nondeterministic", seed=3)
+    whole = compiled(autocast_case, 2)
+    assert replica_casts(whole) and "weight_layouts_simulated_s" not in whole.stats
+
+
+def test_an_unknown_weight_layout_is_refused_before_tracing(autocast_case):
+    with pytest.raises(ValueError, match="weight_layout must be one of 'auto', 'replicas', 'casts'"):
+        compiled(autocast_case, 2, budget=0.45, weight_layout="sharded")
+
+
+def test_fastest_layout_keeps_the_faster_and_lets_a_layout_that_does_not_fit_give_way():
+    """compiler.fastest_layout: the layout the simulator runs faster; one that does not build gives
+    way to the other; where none builds, the first one's refusal."""
+    from types import SimpleNamespace
+
+    layouts = [compiler.Layout(None, None, 0, casts_travel=False), compiler.Layout(None, None, 0, casts_travel=True)]
+    speeds = {False: 0.2, True: 0.1}
+
+    def built(layout):
+        return SimpleNamespace(stats={"simulated_step_s": speeds[layout.casts_travel]})
+
+    layout, mg = compiler.fastest_layout(layouts, built, None, "cpu")
+    assert layout.name == "casts" and mg.stats["weight_layouts_simulated_s"] == {"replicas": 0.2, "casts": 0.1}
+    speeds[False] = 0.05
+    assert compiler.fastest_layout(layouts, built, None, "cpu")[0].name == "replicas"
+
+    def casts_short(layout):
+        if layout.casts_travel:
+            raise InfeasibleBudget("casts short", minimum=10)
+        return built(layout)
+
+    assert compiler.fastest_layout(list(reversed(layouts)), casts_short, None, "cpu")[0].name == "replicas"
+
+    def none_fit(layout):
+        raise InfeasibleBudget(f"{layout.name} short", minimum=10)
+
+    with pytest.raises(InfeasibleBudget, match="replicas short"):
+        compiler.fastest_layout(layouts, none_fit, None, "cpu")
 
 
 def test_a_traced_step_is_placed_in_either_layout_without_tracing_again(autocast_case):
