@@ -26,11 +26,7 @@ that waits for a reload is never held back by one it does not need.
 
 Random vertices stay alone (their generator state is set per launch, which a capture would freeze),
 and so do kernels that read a device tensor on the host (kernels/ops.py reads_on_host), which no
-capture can hold. So does a kernel that reads only persistent values and sends its result to another
-device (a weight's autocast cast, made on its owner for the devices that read it,
-trace/data_parallel.py weight_casts): alone, the event loop launches it the moment its bytes are
-free, where inside a segment it waited for the kernels placed before it, and the device it was
-made for waited too (gpt1.3b on two H200s at 50%: 184.1 -> 178.4 ms simulated).
+capture can hold.
 """
 
 from __future__ import annotations
@@ -65,9 +61,6 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
     received_at = [-1] * len(vertices)  # the latest serial position of a predecessor copying from another device
     leaves_to_outside = [False] * len(vertices)  # a successor that is not compute, but a transfer to another device
     sends = [False] * len(vertices)  # a successor that copies to another device
-    persistent_only = [mv.kind is Kind.COMPUTE and all(values[ref.value].kind.is_persistent
-                                                        for ref in tasks[mv.task_vertex].refs())
-                       for mv in vertices]
     data_preds: list[list[int]] = [[] for _ in vertices]
     for src, dst, kind in mg.edges:
         if kind is Edge.DATA:
@@ -112,8 +105,7 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
         key = lane(vid)
         run = runs.setdefault(key, [])
         task = tasks[vertices[vid].task_vertex]
-        alone = task.random or reads_on_host(task.op, (values[ref.value].dtype for ref in task.refs()), device_type) \
-            or (sends[vid] and persistent_only[vid])
+        alone = task.random or reads_on_host(task.op, (values[ref.value].dtype for ref in task.refs()), device_type)
         if run and (alone or enters_from_outside[vid] or received_at[vid] > position[run[0]]
                     or not joins_receiving(vid, key) or (max_size is not None and len(run) >= max_size)):
             close(key)

@@ -5,14 +5,13 @@ every gradient then divided by their count (DDP's averaging), for every ordering
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
 from cases import bf16_autocast, make_case
 from turnip.ir.batch import BatchError
 from turnip.ir.errors import InfeasibleBudget
-from turnip.ir.memgraph import Kind, Stream
+from turnip.ir.memgraph import Stream
 from turnip.memgraph import compiler
 from turnip.trace.errors import UnsupportedFeature
 
@@ -340,23 +339,6 @@ def test_weights_cast_for_autocast_are_cast_once_on_their_owner_and_stay_bitwise
     assert len(read_uncast & {tg.values[w].name for w in cast_weights}) < len(cast_weights) // 2
     for ordering in ("deterministic", "random"):
         assert_matches_eager(mg, autocast_case, devices, ordering, seed=5)
-
-
-def test_a_weight_cast_sent_to_another_device_is_launched_alone(autocast_case):
-    """memgraph/segments.py: the owner's cast of a weight for another device is a unit of its own,
-    so the loop launches it when its bytes are free, not when its segment's turn comes. Everything
-    kept: no weight is reloaded, so nothing else would start a unit at a cast."""
-    mg = compiled(autocast_case, 2, weight_layout="casts")
-    tg, succs = mg.taskgraph, mg.successors()
-    sent = [mv.id for mv in mg.vertices if mv.kind is Kind.COMPUTE and mv.stream is Stream.COMPUTE
-            and any(mg.vertices[s].stream is Stream.D2D for s in succs[mv.id])
-            and all(tg.values[r.value].kind.is_persistent for r in tg.vertices[mv.task_vertex].refs())]
-    assert sent and {tg.vertices[mg.vertices[v].task_vertex].op for v in sent} == {"aten::_to_copy"}
-    from turnip.memgraph.segments import find_segments, segment_problems
-
-    segments = find_segments(mg)  # the CUDA backend's; this CPU-compiled MemGraph has none
-    assert segments and not {v for seg in segments for v in seg} & set(sent)
-    assert segment_problems(dataclasses.replace(mg, segments=segments)) == []
 
 
 def replica_casts(mg) -> list:
