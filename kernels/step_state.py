@@ -62,7 +62,10 @@ class RngReplay:
         returning, and put the generator back where it was. The engine calls it before allocating
         its arena: measured during the first step instead, the scratch outputs (two of the largest
         random op's outputs, 2 x 256 MiB for a 32K-token prefill's attention) came on top of the
-        arena and took the step's peak past its budget."""
+        arena and took the step's peak past its budget. The caching allocator's segments that held
+        them are given back too: kept, they stayed reserved beside the arena for good (gpt1.3b on
+        two H200s: 0.35 GiB on the first GPU, whose generator draws, the attention ops' scratch
+        and cuDNN workspace; the reserved peak past the budget by as much)."""
         if self.device.type != "cuda" or not self.vertices or self._advances is not None:
             return
         gen = default_generator(self.device)
@@ -71,6 +74,9 @@ class RngReplay:
             self.capture()
         finally:
             gen.set_state(start)
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.device(self.device):
+                torch.cuda.empty_cache()
 
     def capture(self) -> dict[int, torch.Tensor]:
         """Each random vertex's generator state; leaves the generator where eager's step would."""
