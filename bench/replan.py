@@ -37,13 +37,12 @@ from ..ir.costs import HostLinks
 from ..ir.errors import InfeasibleBudget
 from ..ir.plan import Plan
 from ..ir.step_file import load_step, save_step
-from ..memgraph.builder import build, build_walks
+from ..memgraph.builder import build_walks
 from ..memgraph.compiler import (
-    UNBOUNDED,
     built_on_every_device,
+    everything_kept,
     favourite_refused,
     planning_budget,
-    unplanned_peak,
 )
 from ..memgraph.remake_offloaded import recompute_evicted
 from ..planners.costs import CostModel, DeviceSpec, default_costs
@@ -135,8 +134,7 @@ def replan(step: Path, budgets: list[str], options: dict, host_update: str = "of
         facts["host_links"] = dataclasses.asdict(host_links)
     costs = offline_costs(facts)
     costs.annotate(tg)  # only vertices without a time (none in an exported step) are estimated
-    keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=ALIGNMENT, compact=True)
-    peak = unplanned_peak(keep_all)
+    peak = everything_kept(tg, ALIGNMENT)[1]
     eager_peak = eager_peak or facts.get("eager_peak_allocated")
     rows = []
     for text in budgets:

@@ -242,9 +242,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
         else:
             progress.skip("measuring op costs")
         with progress.phase("planning"):
-            # compact: reuse freed bytes first, so the arena is the peak rather than the sum of all values
-            keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=alignment, compact=True)
-            peak = unplanned_peak(keep_all)
+            keep_all, peak = everything_kept(tg, alignment)
             gpu_budget = gpu_limit.bytes(peak)
             cpu_bytes = cpu_limit.bytes(peak) if cpu_limit is not None else None
             log.debug("traced %d vertices in %.1fs; unplanned peak %s, budget %s", len(tg.vertices),
@@ -267,9 +265,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                     if split == "auto":
                         travelling = donated(travelling)
                     costs.annotate(travelling)
-                    keep_travelling = build(travelling, Plan(gpu_budget=UNBOUNDED, planner="none"),
-                                            alignment=alignment, compact=True)
-                    layout = Layout(travelling, keep_travelling, unplanned_peak(keep_travelling), casts_travel=True)
+                    layout = Layout(travelling, *everything_kept(travelling, alignment), casts_travel=True)
                     layouts = [layout] if weight_layout == "casts" else [*layouts, layout]
                     log.info("budget %s is below the unplanned peak %s on %d devices: %s", format_bytes(gpu_budget),
                              format_bytes(peak), tg.devices * tg.ranks,
@@ -341,18 +337,17 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
 
         with progress.phase("building"):
             layout, mg = fastest_layout(layouts, built_layout, costs, device.type, ranks, device)
-            tg, keep_all, peak = layout.tg, layout.keep_all, layout.peak
-            candidates, hit, key = layout.candidates, layout.hit, layout.key
+            tg, peak = layout.tg, layout.peak
             # pinned memory is page-locked: a plan that pins more than the host has is planned again
             # within it (or refused) here, not found out when the engine pins it
             host_cpu_bytes = within_host(mg.cpu_bytes, pinnable_bytes() if device.type == "cuda" else None,
-                                         cpu_budget, replannable=candidates is not None or hit is not None)
+                                         cpu_budget, replannable=layout.candidates is not None or layout.hit is not None)
             if host_cpu_bytes is not None:
                 cpu_bytes = host_cpu_bytes
                 log.warning("the plan pins %s of host memory; %s: planning again within %s",
                             format_bytes(mg.cpu_bytes), describe_host(), format_bytes(cpu_bytes))
                 progress.describe("building", "planning again within the host's memory")
-                layout.key = key_for(layout, cpu_bytes) if key else None
+                layout.key = key_for(layout, cpu_bytes) if layout.key else None
                 layout.hit = None
                 try:
                     layout.candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment,
@@ -408,8 +403,7 @@ def undonated_if_it_fits(traced: TaskGraph, gpu_budget: int, alignment: int, cos
     stay donated: at eager's peak their donated loss head is what fits."""
     if costs is not None:
         costs.annotate(traced)
-    keep_all = build(traced, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=alignment, compact=True)
-    peak = unplanned_peak(keep_all)
+    keep_all, peak = everything_kept(traced, alignment)
     if peak > gpu_budget:
         return None
     log.info("the forward-only step fits %s without buffer donation (%s with everything kept): not donated",
@@ -586,22 +580,15 @@ def fastest_layout(layouts: list[Layout], built_layout, costs, backend: str, ran
         except InfeasibleBudget as exc:
             log.info("the %s layout does not fit: %s", layout.name, exc)
             refusals.append(exc)
-    times = []
-    for layout, mg in built:
-        if "simulated_step_s" not in mg.stats:
-            mg.stats["simulated_step_s"] = simulate(mg, costs, backend=backend).step_time
-        times.append(mg.stats["simulated_step_s"])
+    times = {layout.name: simulated_step(mg, costs, backend) for layout, mg in built}
     if ranks is not None:  # every rank's times, in layout order (math.inf: that rank could not build it)
-        mine = [next((t for (lay, _), t in zip(built, times) if lay is layout), math.inf) for layout in layouts]
-        slowest = [max(column) for column in zip(*ranks.exchange(mine, device))]
-        times = [slowest[layouts.index(layout)] for layout, _ in built]
-    if not built or min(times) == math.inf:
+        every = ranks.exchange([times.get(layout.name, math.inf) for layout in layouts], device)
+        times = {layout.name: max(column) for layout, column in zip(layouts, zip(*every)) if layout.name in times}
+    if not built or min(times.values()) == math.inf:
         raise refusals[0]
-    best = min(range(len(built)), key=lambda k: times[k])
-    layout, mg = built[best]
-    mg.stats["weight_layouts_simulated_s"] = {lay.name: t for (lay, _), t in zip(built, times)}
-    log.info("weights: %s (simulated %s)", layout.name,
-             ", ".join(f"{lay.name} {t * 1e3:.1f} ms" for (lay, _), t in zip(built, times)))
+    layout, mg = min(built, key=lambda pair: times[pair[0].name])
+    mg.stats["weight_layouts_simulated_s"] = times
+    log.info("weights: %s (simulated %s)", layout.name, ", ".join(f"{name} {t * 1e3:.1f} ms" for name, t in times.items()))
     return layout, mg
 
 
@@ -646,12 +633,16 @@ def built_on_every_device(candidates: list[Plan], build_plans, replan, gpu_budge
     return best
 
 
+def simulated_step(mg: MemGraph, costs, backend: str) -> float:
+    """mg's simulated step in seconds: the one already known, else simulated now and kept."""
+    if "simulated_step_s" not in mg.stats:
+        mg.stats["simulated_step_s"] = simulate(mg, costs, backend=backend).step_time
+    return mg.stats["simulated_step_s"]
+
+
 def faster_simulated(a: MemGraph, b: MemGraph, costs, backend: str) -> MemGraph:
     """The one of two built MemGraphs the simulator runs faster (simulated now where no time is known)."""
-    for mg in (a, b):
-        if "simulated_step_s" not in mg.stats:
-            mg.stats["simulated_step_s"] = simulate(mg, costs, backend=backend).step_time
-    return b if b.stats["simulated_step_s"] < a.stats["simulated_step_s"] else a
+    return b if simulated_step(b, costs, backend) < simulated_step(a, costs, backend) else a
 
 
 def favourite_refused(refused: list[tuple[Plan, InfeasibleBudget]], built: list[Plan]) -> InfeasibleBudget | None:
@@ -795,6 +786,13 @@ def unplanned_peak(keep_all: MemGraph) -> int:
     """GPU bytes the step takes with everything kept: the arena BuildMemGraph packs it into,
     plus the largest op workspace. Fractional budgets are fractions of this."""
     return keep_all.arena_bytes + keep_all.taskgraph.step_workspace()
+
+
+def everything_kept(tg: TaskGraph, alignment: int) -> tuple[MemGraph, int]:
+    """The MemGraph of ``tg`` with every value kept on the GPU and its unplanned_peak. Compact:
+    freed bytes are reused first, so the arena is the peak rather than the sum of all values."""
+    keep_all = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=alignment, compact=True)
+    return keep_all, unplanned_peak(keep_all)
 
 
 def make_plan(tg, gpu_budget: int, cpu_budget: int | None, planner: str, **options):
