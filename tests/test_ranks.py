@@ -19,11 +19,11 @@ import torch.distributed as dist
 from cases import bf16_autocast, make_case
 from test_devices import adamw, eager_data_parallel
 from turnip.ir.memgraph import Stream
-from turnip.ir.taskgraph import RECV
+from turnip.ir.taskgraph import RECV, SEND
 from turnip.planners.costs import CostModel
 from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, step_order
 from turnip.planners.problem import build_problem
-from turnip.trace.ranks import rank_slice
+from turnip.trace.ranks import WIRE_DEVICE, rank_slice
 from turnip.trace.tracer import trace_step
 
 from turnip import engine, memgraph
@@ -175,6 +175,28 @@ def test_a_received_value_is_never_made_again_nor_read_by_a_recomputation():
             if g.vertex in received or received & set(g.chain):
                 assert {o.kind for o in g.options} <= {KEEP, OFFLOAD}, (rank, g.vertex, g.chain)
         assert any(o.kind == RECOMPUTE for g in problem.groups for o in g.options)  # others still may
+
+
+def test_a_rank_of_several_devices_sends_and_receives_on_its_first_device_only():
+    """NCCL binds a rank's end of a link to one GPU: every message of a rank with two devices is on its
+    wire device, and a value living on the other device crosses it by a copy before its send or after
+    its receive (the gradient buckets do, in both directions)."""
+    model, loss_fn, batches = make_case("gpt")
+    mine = copy.deepcopy(model)
+    step = trace_step(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu", devices=4)
+    graph = step.finished()
+    for rank in (0, 1):
+        tg = rank_slice(graph, rank, 2, order=step_order(graph))
+        messages = [v for v in tg.vertices if v.op in (SEND, RECV)]
+        assert messages and all(v.device == WIRE_DEVICE for v in messages)
+        made_by = {x: v for v in tg.vertices for x in v.outputs}
+        copies = [v for v in tg.vertices if v.op == "aten::_to_copy"]
+        staged_sends = [v for v in messages if v.op == SEND and v.args[0].value in made_by
+                        and made_by[v.args[0].value] in copies
+                        and tg.values[made_by[v.args[0].value].args[0].value].device != WIRE_DEVICE]
+        received = {x for v in messages if v.op == RECV for x in v.outputs}
+        staged_receives = [v for v in copies if v.args[0].value in received and v.device != WIRE_DEVICE]
+        assert staged_sends and staged_receives, rank
 
 
 def _saves_resumes_and_gathers(rank: int, ranks: int, folder: str) -> str:

@@ -29,6 +29,11 @@ from ..ir.taskgraph import RECV, SEND, TaskGraph, Value, ValueKind, map_refs
 from ..kernels.ops import draws
 from .errors import UnsupportedFeature
 
+# Every message of a rank leaves from and arrives on this one of its devices: NCCL pairs a rank's end of a
+# link with one GPU (the one its process group is bound to, or the first it used), and a buffer on another
+# GPU of the rank is copied there first (or from there after), over the rank's own device-to-device link.
+WIRE_DEVICE = 0
+
 
 def check_ranks(tg: TaskGraph, ranks: int) -> None:
     """What a step over several ranks cannot do yet, refused before any work."""
@@ -69,6 +74,11 @@ def rank_slice(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = N
     def ref(r):
         return dataclasses.replace(r, value=new_id[r.value])
 
+    def staged(val: Value) -> int:
+        """A copy of ``val`` on the rank's wire device, for a message to or from another of its devices."""
+        return out.add_value(val.shape, val.stride, val.dtype, val.nbytes, ValueKind.INTERMEDIATE,
+                             name=f"wire:{val.name}", device=WIRE_DEVICE)
+
     tag = 0
     for vid in order:
         vertex = tg.vertices[vid]
@@ -81,13 +91,23 @@ def rank_slice(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = N
                                          f"{sender} and {receiver} as more than a plain copy")
             if sender == rank:
                 val = tg.values[source]
-                out.add_vertex(SEND, (dataclasses.replace(val.dense_ref, value=new_id[source]),),
+                outgoing = new_id[source]
+                if val.device % local != WIRE_DEVICE:
+                    outgoing = staged(val)
+                    out.add_vertex("aten::_to_copy", (dataclasses.replace(val.dense_ref, value=new_id[source]),), {},
+                                   (outgoing,), module=vertex.module, phase=vertex.phase, device=WIRE_DEVICE)
+                out.add_vertex(SEND, (dataclasses.replace(val.dense_ref, value=outgoing),),
                                {"peer": receiver, "tag": tag}, (), module=vertex.module, phase=vertex.phase,
-                               device=val.device % local)
+                               device=WIRE_DEVICE)
             elif receiver == rank:
-                got = kept(tg.values[vertex.outputs[0]])
-                out.add_vertex(RECV, (), {"peer": sender, "tag": tag}, (got,), module=vertex.module,
-                               phase=vertex.phase, device=vertex.device % local)
+                val = tg.values[vertex.outputs[0]]
+                got = kept(val)
+                into = got if vertex.device % local == WIRE_DEVICE else staged(val)
+                out.add_vertex(RECV, (), {"peer": sender, "tag": tag}, (into,), module=vertex.module,
+                               phase=vertex.phase, device=WIRE_DEVICE)
+                if into != got:
+                    out.add_vertex("aten::_to_copy", (dataclasses.replace(val.dense_ref, value=into),), {}, (got,),
+                                   module=vertex.module, phase=vertex.phase, device=vertex.device % local)
             tag += 1
             continue
         if vertex.device // local != rank:
