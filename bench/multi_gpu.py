@@ -6,12 +6,14 @@ its own torchrun.
     python -m turnip.bench multi_gpu --devices 3 --tiny --device cpu      # virtual CPU devices, < 1 min
     python -m turnip.bench multi_gpu --devices 4 --budgets 1.0,0.5,0.25 --peers ddp,fsdp2 --isolate
     python -m turnip.bench multi_gpu --devices 2 --budgets 1.0,0.5 --ranks   # and over 2 ranks (torchrun)
+    python -m turnip.bench multi_gpu --devices 4 --budgets 1.0,0.5 --ranks --gpus-per-rank 2   # 2 ranks x 2 GPUs
 
 With ``--isolate`` each turnip budget (the first with the eager rows) runs in a process of its own, as
 the peers do, killed after ``--row-limit`` seconds: a crash or a device-side assert costs its row, a
 budget starts on GPUs the last one left clean, and one command still writes one JSON file. With
-``--ranks`` each budget runs again as ``turnip-ranks``: one process per GPU under torchrun, the step's
-devices split over ranks whose messages go through NCCL (compile's process_group=; the same step).
+``--ranks`` each budget runs again as ``turnip-ranks``: one process per GPU (or per ``--gpus-per-rank``
+GPUs) under torchrun, the step's devices split over ranks whose messages go through NCCL (compile's
+process_group=; the same step).
 
 Budgets are per device, fractions of single-GPU eager's peak (``AdamW()``, measured first in the same
 run), as in the single-GPU suite. Every row records its device count, the median step, the spread,
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--one-device-too", action="store_true", help="turnip on one device at each budget too")
     parser.add_argument("--ranks", action="store_true", help="turnip over --devices ranks too at each budget (one "
                         "process per GPU under torchrun, compile's process_group=), beside the one-process rows")
+    parser.add_argument("--gpus-per-rank", type=int, default=1, help="--ranks: GPUs each rank drives (--devices / "
+                        "this ranks; 2 on 4 GPUs stands in for two hosts of two)")
     parser.add_argument("--timelines", action="store_true", help="a Perfetto timeline of one step per turnip row")
     parser.add_argument("--no-plots", action="store_true", help="no Pareto plot beside the JSON")
     parser.add_argument("--isolate", action="store_true", help="each turnip budget (the first with the eager rows) "
@@ -241,7 +245,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for budget in budgets or [float(b) for b in sorted({r["budget"] for r in rows if r.get("budget")})]:
             rows.append(distributed.run_distributed(
                 "turnip-ranks", args.model, args.devices, steps=args.steps, warmup=args.warmup, tiny=args.tiny,
-                device=args.device, limit_s=args.peer_limit, planner=args.planner,
+                device=args.device, limit_s=args.peer_limit, planner=args.planner, gpus_per_rank=args.gpus_per_rank,
                 budget=int(budget * eager_peak) if eager_peak else budget) | {"budget": budget})
     if args.peers:
         rows += run_peers(args.model, args.devices, args.peers.split(","), args.steps, args.peer_limit, args.tiny)

@@ -29,7 +29,6 @@ from ..planners.host_update import fused_updates, host_update_candidates
 from ..planners.measure import device_name
 from ..planners.model import step_order
 from ..trace.data_parallel import read_devices
-from ..trace.errors import UnsupportedFeature
 from ..trace.passes import DONATE, run_passes
 from ..trace.ranks import check_ranks, rank_slice
 from ..trace.split_loss import split_loss_head
@@ -162,11 +161,13 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     does. mg.state_dict() then holds this rank's share (the parameters it owns); every rank calling
     memgraph.gather_state_dict(mg) / gather_optimizer_state_dict(mg) gives rank 0 the whole; each
     rank's mg.save(path) keeps its share, and memgraph.load(path) goes on from it once the loaded
-    MemGraph's process_group is set (the group of the same ranks). On CUDA, each rank compiles for its own GPU (device="cuda:<LOCAL_RANK>").
+    MemGraph's process_group is set (the group of the same ranks). On CUDA, each rank compiles for its own GPUs:
+    device="cuda:<first>" (default: the current GPU, torchrun's LOCAL_RANK as users set it) and devices=G
+    for G GPUs from there (a rank r of G GPUs each: device=f"cuda:{LOCAL_RANK * G}"); a rank's messages
+    leave from and arrive on its first GPU (trace/ranks.py's WIRE_DEVICE).
     rank_bandwidth: bytes/s of a message between two ranks, for the planners and the simulator;
     default: measured between ranks 0 and 1 at compile on CUDA (memgraph/ranks.py), the spec's
-    25 GB/s (a 200 Gb/s NIC) on the CPU. Not yet: random ops (dropout), and more than one GPU
-    per rank on CUDA.
+    25 GB/s (a 200 Gb/s NIC) on the CPU. Not yet: random ops (dropout).
     weight_layout: on several devices (or ranks), where the weights live between their uses:
     "replicas" (a copy of every weight on every device, refreshed after its update), "casts" (a
     weight read only through its autocast cast lives on its owner; the cast travels), or "auto"
@@ -193,14 +194,11 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     if planner != "none":  # so are unknown planners and options (a cached plan would not see them)
         check_options(planner, **{k: v for k, v in planner_options.items() if k != "costs"})
     device = target_device(device or default_device())
-    device_count = read_devices(device, devices)
     ranks = read_process_group(process_group, device)
-    if ranks is not None and device.type == "cuda":
-        if device_count > 1:
-            raise UnsupportedFeature(f"devices={device_count} GPUs per rank: not supported yet over several ranks; "
-                                     f"launch one rank per GPU (torchrun --nproc_per_node=<GPUs per host>)")
-        if device.index is None:  # torchrun's ranks each set their own GPU current (LOCAL_RANK)
-            device = torch.device("cuda", torch.cuda.current_device())
+    if ranks is not None and device.type == "cuda" and device.index is None:
+        # torchrun's ranks each set their own (first) GPU current
+        device = torch.device("cuda", torch.cuda.current_device())
+    device_count = read_devices(device, devices)
     if ranks is not None:
         agree(ranks, configuration(model, example_batch, optimizer, device, device_count, budget, {
             "planner": planner, "split": split, "max_grad_norm": max_grad_norm, "host_update": host_update,

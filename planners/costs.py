@@ -366,23 +366,29 @@ class CostModel:
     def host_links(self) -> HostLinks:
         """What the host moves over the step's device links together: measured (cached by device
         count) on CUDA for a step over several present devices, else the spec's."""
-        if not self._measures_device or self.devices < 2 or torch.cuda.device_count() < self.devices:
+        if not self._measures_device or self.devices < 2 or torch.cuda.device_count() < self.first_gpu + self.devices:
             return self.spec.host_links
         keys = {way: f"host_{way}_x{self.devices}" for way in ("h2d", "d2h", "both")}
 
         def measured() -> dict[str, float]:  # all three at once: the first key caches the others too
-            rates = measure.measure_host_links([f"cuda:{k}" for k in range(self.devices)])
+            rates = measure.measure_host_links([f"cuda:{self.first_gpu + k}" for k in range(self.devices)])
             return {keys[way]: rate for way, rate in rates.items()}
 
         return HostLinks(**{way: self._cached_rate(key, measured) for way, key in keys.items()})
 
     @property
     def d2d_bandwidth(self) -> float:
-        """Bytes/s of a copy from one GPU to another: measured between the first two devices when
-        there are two, else the spec's."""
-        if not self._measures_device or torch.cuda.device_count() < 2:
+        """Bytes/s of a copy from one GPU to another: measured between the step's first GPU and the
+        next when there is one, else the spec's."""
+        first = self.first_gpu
+        if not self._measures_device or torch.cuda.device_count() < first + 2:
             return self.spec.d2d
-        return self._cached_rate("d2d", lambda: {"d2d": measure.measure_d2d("cuda:0", "cuda:1")})
+        return self._cached_rate("d2d", lambda: {"d2d": measure.measure_d2d(f"cuda:{first}", f"cuda:{first + 1}")})
+
+    @property
+    def first_gpu(self) -> int:
+        """The index of the step's first GPU (a rank's step may start past cuda:0)."""
+        return torch.device(self.device).index or 0
 
     @property
     def hbm_bandwidth(self) -> float:

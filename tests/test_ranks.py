@@ -33,16 +33,16 @@ TIMEOUT_S = 240  # a whole run of ranks; each compiles the step of every rank's 
 
 
 def run_ranks(target, ranks: int, tmp_path, *args, timeout: float = TIMEOUT_S, stop_after: int | None = None,
-              backend: str = "gloo") -> list:
+              backend: str = "gloo", gpus_per_rank: int = 1) -> list:
     """Run ``target(rank, ranks, *args)`` in ``ranks`` spawned processes sharing a process group of
-    ``backend`` (NCCL: rank r on cuda:r); return each rank's report (what it returned, or its
-    traceback). stop_after: once that rank has reported, stop the others (a rank made to hang)."""
+    ``backend`` (NCCL: rank r's current GPU cuda:r x gpus_per_rank); return each rank's report (what it
+    returned, or its traceback). stop_after: once that rank has reported, stop the others (a rank made to hang)."""
     ctx = multiprocessing.get_context("spawn")
     run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"  # a fresh store per run: gloo's file store is single-use
     run.mkdir()
     store = str(run / "store")
     reports = [str(run / f"rank{r}.txt") for r in range(ranks)]
-    procs = [ctx.Process(target=_guarded, args=(target, backend, r, ranks, store, reports[r], *args))
+    procs = [ctx.Process(target=_guarded, args=(target, backend, gpus_per_rank, r, ranks, store, reports[r], *args))
              for r in range(ranks)]
     for p in procs:
         p.start()
@@ -58,9 +58,9 @@ def run_ranks(target, ranks: int, tmp_path, *args, timeout: float = TIMEOUT_S, s
     return [open(path).read() if os.path.exists(path) else "no report" for path in reports]
 
 
-def _guarded(target, backend, rank, ranks, store, report, *args) -> None:
+def _guarded(target, backend, gpus_per_rank, rank, ranks, store, report, *args) -> None:
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank * gpus_per_rank)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=ranks,
                             timeout=datetime.timedelta(seconds=20))
     try:

@@ -58,33 +58,35 @@ from .errors import UnsupportedFeature
 
 def read_devices(device: torch.device, devices) -> int:
     """How many devices of `device`'s kind compile's ``devices=`` names, checked: N, or a list of
-    devices of one kind numbered 0..N-1 (the engine numbers arenas so). On CUDA every one must exist
+    devices of one kind numbered consecutively from ``device``'s index (the engine numbers a step's
+    GPUs from its first: a rank of a process group may start at cuda:2). On CUDA every one must exist
     and all must be the same model with the same memory, since every device gets the same budget.
     Virtual CPU devices ("cpu" N times, or N) share the host: each has its own arena and streams."""
     if devices is None:
         return 1
+    first = device.index or 0
     if isinstance(devices, (list, tuple)):
         named = [torch.device(d) for d in devices]
         kinds = {d.type for d in named}
         if len(kinds) != 1 or device.type not in kinds:
             raise UnsupportedFeature(f"devices {[str(d) for d in named]} must all be of the kind of device "
                                      f"{str(device)!r}")
-        if device.type == "cuda" and [d.index for d in named] != list(range(len(named))):
+        if device.type == "cuda" and [d.index for d in named] != list(range(first, first + len(named))):
             raise UnsupportedFeature(f"devices {[str(d) for d in named]}: the engine numbers a step's GPUs from "
-                                     f"cuda:0, so give cuda:0 ... cuda:{len(named) - 1} (choose others with "
-                                     f"CUDA_VISIBLE_DEVICES)")
+                                     f"its device ({device}), so give cuda:{first} ... cuda:{first + len(named) - 1} "
+                                     f"(choose others with device= or CUDA_VISIBLE_DEVICES)")
         devices = len(named)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise UnsupportedFeature(f"devices must be a positive number of devices or a list of them, got {devices!r}")
     if device.type == "cuda" and devices > 1:
         present = torch.cuda.device_count()
-        if devices > present:
-            raise UnsupportedFeature(f"devices={devices} GPUs were asked for and this host has {present}: "
-                                     f"compile with devices={present} or fewer")
-        props = [torch.cuda.get_device_properties(i) for i in range(devices)]
+        if first + devices > present:
+            raise UnsupportedFeature(f"devices={devices} GPUs from cuda:{first} were asked for and this host has "
+                                     f"{present}: compile with devices={max(1, present - first)} or fewer")
+        props = [torch.cuda.get_device_properties(i) for i in range(first, first + devices)]
         kinds = {(p.name, p.total_memory) for p in props}
         if len(kinds) > 1:
-            raise UnsupportedFeature(f"the GPUs differ ({', '.join(f'cuda:{i} {p.name} {p.total_memory >> 20} MiB' for i, p in enumerate(props))}): "
+            raise UnsupportedFeature(f"the GPUs differ ({', '.join(f'cuda:{first + i} {p.name} {p.total_memory >> 20} MiB' for i, p in enumerate(props))}): "
                                      f"every device gets the same budget, so they must be alike; choose alike ones "
                                      f"with CUDA_VISIBLE_DEVICES")
     return devices

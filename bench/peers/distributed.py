@@ -66,15 +66,18 @@ def worker_env(devices: int) -> dict[str, str]:
 def command(system: str, model: str, devices: int, out: Path, *, steps: int, warmup: int, batch: int | None,
             tiny: bool, device: str, snapshot: str | None, deadline: float | None,
             save_weights: str | Path | None, log_dir: Path | None = None, budget: float | None = None,
-            planner: str | None = None) -> list[str]:
-    """The torchrun command line of one run (what a user types, with ``torchrun`` for the first four words).
-    ``log_dir``: each rank's output also goes to a file of its own there (rank_logs reads them)."""
+            planner: str | None = None, gpus_per_rank: int = 1) -> list[str]:
+    """The torchrun command line of one run (what a user types, with ``torchrun`` for the first four words):
+    ``devices // gpus_per_rank`` ranks. ``log_dir``: each rank's output also goes to a file of its own there
+    (rank_logs reads them)."""
     logs = ["--log-dir", str(log_dir), "--redirects", "3", "--tee", "3"] if log_dir is not None else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={devices}", *logs,
+    ranks = devices // gpus_per_rank
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *logs,
            "-m", WORKER, "--system", system, "--model", model, "--steps", str(steps), "--warmup", str(warmup),
            "--device", device, "--out", str(out)]
     for flag, value in (("--batch", batch), ("--snapshot", snapshot), ("--deadline", deadline),
-                        ("--save-weights", save_weights), ("--budget", budget), ("--planner", planner)):
+                        ("--save-weights", save_weights), ("--budget", budget), ("--planner", planner),
+                        ("--gpus-per-rank", gpus_per_rank if gpus_per_rank > 1 else None)):
         if value is not None:
             cmd += [flag, str(value)]
     return cmd + (["--tiny"] if tiny else [])
@@ -197,15 +200,18 @@ def run_distributed(system: str, model: str, devices: int, *, steps: int = 5, wa
                     batch: int | None = None, tiny: bool = False, device: str | None = None,
                     limit_s: float = 600.0, snapshot: str | None = None,
                     save_weights: str | Path | None = None, budget: float | None = None,
-                    planner: str | None = None) -> dict:
+                    planner: str | None = None, gpus_per_rank: int = 1) -> dict:
     """Train ``system`` on ``devices`` GPUs (gloo processes on the CPU) in its own torchrun; its row.
 
     ``batch`` is per GPU (default: the workload's), ``snapshot`` the suite's weights file
     (peers/isolated.write_snapshot), ``save_weights`` a path for rank 0's final weights (ddp and fsdp2
     systems; the tests). The ranks stop timing a little before ``limit_s`` so a slow system still reports
     the steps it timed; at ``limit_s`` everything is killed and the row is a timeout. ``budget`` and
-    ``planner``: the turnip system's (per GPU: bytes, or a fraction of its unplanned peak).
+    ``planner``: the turnip system's (per GPU: bytes, or a fraction of its unplanned peak), and
+    ``gpus_per_rank`` (turnip-ranks: ``devices // gpus_per_rank`` ranks of that many GPUs each).
     """
+    if gpus_per_rank < 1 or devices % gpus_per_rank:
+        raise ValueError(f"gpus_per_rank={gpus_per_rank} does not divide {devices} devices")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     refused = refusal(system, device)  # raises for an unknown system
     if refused is None and device == "cuda" and torch.cuda.device_count() < devices:
@@ -219,7 +225,8 @@ def run_distributed(system: str, model: str, devices: int, *, steps: int = 5, wa
         out = Path(folder) / "row.json"
         cmd = command(system, model, devices, out, steps=steps, warmup=warmup, batch=batch, tiny=tiny,
                       device=device, snapshot=snapshot, deadline=time.time() + limit_s - margin,
-                      save_weights=save_weights, log_dir=Path(folder) / "logs", budget=budget, planner=planner)
+                      save_weights=save_weights, log_dir=Path(folder) / "logs", budget=budget, planner=planner,
+                      gpus_per_rank=gpus_per_rank)
         log.info("%s on %d devices: %s (limit %.0fs)", system, devices, " ".join(cmd[1:]), limit_s)
         # torchrun runs each rank in a session of its own: kill_tree finds them (stragglers too, after an exit)
         ran = run_limited(cmd, worker_env(devices), limit_s, lambda line: log.info("[%s] %s", system, line),

@@ -18,9 +18,10 @@ fsdp2-offload-ckpt   fully_shard with CPUOffloadPolicy(pin_memory=True) + checkp
                      steps on the CPU
 zero2-offload        DeepSpeed ZeRO stage 2, optimizer states in pinned CPU memory, + checkpointing
 zero3-offload        DeepSpeed ZeRO stage 3, parameters and optimizer in pinned CPU memory, + checkpointing
-turnip-ranks         turnip over the ranks (compile's process_group=, one GPU per rank), at ``--budget`` per
-                     GPU (bytes, or a fraction of the rank's unplanned peak) with ``--planner``: the workload's
-                     AdamW traced (fused on CUDA), messages between ranks through the process group
+turnip-ranks         turnip over the ranks (compile's process_group=, ``--gpus-per-rank`` GPUs each, one by
+                     default), at ``--budget`` per GPU (bytes, or a fraction of the unplanned peak) with
+                     ``--planner``: the workload's AdamW traced (fused on CUDA), messages between ranks through
+                     the process group
 
 Without CUDA, ddp* and fsdp2 / fsdp2-ckpt run on the gloo backend (tiny models: the tests); the offloading
 systems need CUDA and DeepSpeed its package, and their row says so ("skipped", "not installed").
@@ -129,18 +130,18 @@ def load_workload(model: str, tiny: bool, batch: int | None, snapshot: str | Non
     return build_workload(WorkloadSpec(model, tiny=tiny, batch=batch, snapshot=snapshot))
 
 
-def rank_batch(workload: Workload, rank: int):
-    """Rank ``rank``'s micro-batch, the shape of the workload's: next-token pairs over the model's vocabulary,
-    drawn with seed ``rank`` as bench/models draws the workload's own with seed 0 (so rank 0 trains on the
-    batch the single-GPU rows train on)."""
-    if rank == 0:
+def rank_batch(workload: Workload, index: int):
+    """The micro-batch of the step's device ``index`` (a rank's, with one GPU per rank), the shape of the
+    workload's: next-token pairs over the model's vocabulary, drawn with seed ``index`` as bench/models draws
+    the workload's own with seed 0 (so device 0 trains on the batch the single-GPU rows train on)."""
+    if index == 0:
         return workload.batch
     idx, _ = workload.batch
     config = workload.info.get("config", {})
     vocab = config.get("vocab") or config.get("vocab_size")
     if vocab is None:
-        raise ValueError(f"{workload.name}: no vocabulary size in its info to draw rank {rank}'s tokens from")
-    generator = torch.Generator().manual_seed(rank)
+        raise ValueError(f"{workload.name}: no vocabulary size in its info to draw device {index}'s tokens from")
+    generator = torch.Generator().manual_seed(index)
     tokens = torch.randint(0, int(vocab), (idx.shape[0], idx.shape[1] + 1), generator=generator)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
@@ -227,20 +228,23 @@ def deepspeed_trainer(system: System, workload: Workload, device: torch.device, 
 
 
 def turnip_trainer(system: System, workload: Workload, device: torch.device, batch, budget=None,
-                   planner: str = "greedy") -> Trainer:
-    """turnip's MemGraph of this rank (compile over the initialized world group), on this rank's GPU."""
+                   planner: str = "greedy", batches: list | None = None) -> Trainer:
+    """turnip's MemGraph of this rank (compile over the initialized world group), on this rank's GPUs:
+    ``device`` and the next ones, one per micro-batch of ``batches`` (default: ``batch`` alone)."""
     model = workload.model
     optimizer = workload.optimizer(trainable(model))
+    batches = batches or [batch]
     started = time.perf_counter()
-    mg = memgraph.compile(model, workload.loss_fn, batch, optimizer=optimizer, budget=budget, device=device,
-                          planner=planner, verbose=False)
+    mg = memgraph.compile(model, workload.loss_fn, batches[0], optimizer=optimizer, budget=budget, device=device,
+                          devices=len(batches), planner=planner, verbose=False)
     extra = {"compile_s": time.perf_counter() - started, "budget_bytes": mg.plan.gpu_budget,
              "arena_bytes": mg.arena_bytes, "cpu_bytes": mg.cpu_bytes, "vertices": len(mg.vertices),
              "planner": mg.plan.planner, "unplanned_peak": mg.stats.get("unplanned_peak"),
              "messages": sum(mv.stream is Stream.COMM for mv in mg.vertices),
              "sim_step_s": mg.stats.get("simulated_step_s")}
     extra["bytes_moved"] = transfer_bytes(mg)  # the plan's own host traffic, where the peers' is estimated
-    return Trainer(lambda: engine.run(mg, batch)["loss"], mg.state_dict, repr(optimizer).split(" ")[0], extra)
+    run_with = batches if len(batches) > 1 else batches[0]
+    return Trainer(lambda: engine.run(mg, run_with)["loss"], mg.state_dict, repr(optimizer).split(" ")[0], extra)
 
 
 TRAINERS = {"ddp": ddp_trainer, "fsdp2": fsdp2_trainer, "deepspeed": deepspeed_trainer, "turnip": turnip_trainer}
@@ -310,10 +314,10 @@ def record_peaks(result: PeerResult, device: torch.device) -> None:
 
 # -- one rank ------------------------------------------------------------------------------------
 
-def start(device_type: str) -> torch.device:
-    """This rank's device and torchrun's process group (NCCL on CUDA, gloo on the CPU)."""
+def start(device_type: str, gpus_per_rank: int = 1) -> torch.device:
+    """This rank's (first) device and torchrun's process group (NCCL on CUDA, gloo on the CPU)."""
     if device_type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) * gpus_per_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
         return device
@@ -327,18 +331,24 @@ def train(args: argparse.Namespace, device: torch.device) -> tuple[PeerResult, d
     system = SYSTEMS[args.system]
     t0 = time.perf_counter()
     workload = load_workload(args.model, args.tiny, args.batch, args.snapshot)
-    workload.batch = rank_batch(workload, rank)
+    local = args.gpus_per_rank  # a rank's devices are devices rank * local ... of the step, each on a batch of its own
+    own = [rank_batch(workload, rank * local + k) for k in range(local)]
+    workload.batch = own[0]
     batch = workload.batch_on(device)
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     budget = int(args.budget) if args.budget is not None and args.budget > 1 else args.budget
-    options = {"budget": budget, "planner": args.planner} if system.kind == "turnip" else {}
+    options = {}
+    if system.kind == "turnip":
+        options = {"budget": budget, "planner": args.planner,
+                   "batches": [_on(b, device) for b in own] if local > 1 else None}
     trainer = TRAINERS[system.kind](system, workload, device, batch, **options)
     init_s = time.perf_counter() - t0
     result = PeerResult(args.system, math=EAGER_MATH)
     size = int(torch.utils._pytree.tree_leaves(workload.batch)[0].shape[0])
-    result.extra.update(devices=world, backend=dist.get_backend(), model=workload.name, budget=args.budget,
-                        batch_per_device=size, global_batch=size * world, optimizer=trainer.optimizer,
+    result.extra.update(devices=world * local, ranks=world, gpus_per_rank=local, backend=dist.get_backend(),
+                        model=workload.name, budget=args.budget,
+                        batch_per_device=size, global_batch=size * world * local, optimizer=trainer.optimizer,
                         checkpoint="per block" if system.checkpoint else None, build_s=build_s, init_s=init_s,
                         **trainer.extra)
     if device.type == "cuda":  # what setting up cost (DeepSpeed's initialize, fully_shard's moves)
@@ -353,6 +363,10 @@ def train(args: argparse.Namespace, device: torch.device) -> tuple[PeerResult, d
     if args.save_weights:
         weights = trainer.full_state()  # a collective for FSDP: every rank takes part
     return result, weights
+
+
+def _on(batch, device: torch.device):
+    return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
 
 
 def row_of(result: PeerResult, devices: int) -> dict:
@@ -398,11 +412,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--deadline", type=float, help="time.time() after which no further timed step starts")
     parser.add_argument("--budget", type=float, help="turnip: per GPU, bytes (> 1) or a fraction of the unplanned peak")
     parser.add_argument("--planner", default="greedy", help="turnip: compile's planner")
+    parser.add_argument("--gpus-per-rank", type=int, default=1, help="turnip-ranks: GPUs (devices) each rank "
+                        "drives, from cuda:<LOCAL_RANK x this>")
     parser.add_argument("--save-weights", type=Path, help="rank 0 saves the final weights here (torch.save; "
                         "ddp and fsdp2 systems): the tests compare them with a one-process step")
     args = parser.parse_args(argv)
     if args.save_weights and SYSTEMS[args.system].kind == "deepspeed":
         parser.error("--save-weights is for the ddp and fsdp2 systems")
+    if args.gpus_per_rank < 1 or (args.gpus_per_rank > 1 and SYSTEMS[args.system].kind != "turnip"):
+        parser.error(f"--gpus-per-rank {args.gpus_per_rank}: turnip-ranks drives one or more GPUs per rank, "
+                     f"the other systems one")
     return args
 
 
@@ -418,14 +437,14 @@ def main(argv=None) -> int:
         log.info("%s: %s (%s)", args.system, refused.status, refused.error)
         return 0
     try:
-        device = start(args.device)
+        device = start(args.device, args.gpus_per_rank)
         result, weights = train(args, device)
     except Exception as exc:  # the launcher turns this rank's failure into the row's status
         log.exception("%s failed on rank %d", args.system, rank)
         report_failure(args.out, rank, exc, args.device)
         return 1  # torchrun stops the other ranks, which may be waiting for this one in a collective
     if rank == 0:
-        write_json(args.out, row_of(result, dist.get_world_size()))
+        write_json(args.out, row_of(result, dist.get_world_size() * args.gpus_per_rank))
         if weights is not None:
             torch.save(weights, args.save_weights)
     dist.destroy_process_group()
