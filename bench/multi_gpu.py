@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "process per GPU under torchrun, compile's process_group=), beside the one-process rows")
     parser.add_argument("--gpus-per-rank", type=int, default=1, help="--ranks: GPUs each rank drives (--devices / "
                         "this ranks; 2 on 4 GPUs stands in for two hosts of two)")
-    parser.add_argument("--timelines", action="store_true", help="a Perfetto timeline of one step per turnip row")
+    parser.add_argument("--timelines", action="store_true", help="a Perfetto timeline of one step per turnip row "
+                        "(--ranks: one per rank)")
     parser.add_argument("--no-plots", action="store_true", help="no Pareto plot beside the JSON")
     parser.add_argument("--isolate", action="store_true", help="each turnip budget (the first with the eager rows) "
                         "in a process of its own")
@@ -246,7 +247,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(distributed.run_distributed(
                 "turnip-ranks", args.model, args.devices, steps=args.steps, warmup=args.warmup, tiny=args.tiny,
                 device=args.device, limit_s=args.peer_limit, planner=args.planner, gpus_per_rank=args.gpus_per_rank,
-                budget=int(budget * eager_peak) if eager_peak else budget) | {"budget": budget})
+                budget=int(budget * eager_peak) if eager_peak else budget,
+                timeline=out.with_name(f"{out.stem}_ranks_{budget:g}.timeline.json") if args.timelines else None)
+                | {"budget": budget})
     if args.peers:
         rows += run_peers(args.model, args.devices, args.peers.split(","), args.steps, args.peer_limit, args.tiny)
     out.write_text(json.dumps({"model": name, "devices": args.devices, "device": args.device,

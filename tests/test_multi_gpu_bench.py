@@ -73,14 +73,19 @@ def test_ranks_rows_run_turnip_over_ranks_under_torchrun_beside_one_process(tmp_
 
 def test_ranks_of_two_devices_each_run_under_torchrun(tmp_path):
     """--gpus-per-rank 2 on 4 devices: two ranks of two devices each (gloo on the CPU), the stand-in for two
-    hosts; the row counts the step's devices, its ranks and each rank's devices."""
+    hosts; the row counts the step's devices, its ranks and each rank's devices, and --timelines gives each
+    rank's timeline."""
     from turnip.bench import multi_gpu
 
     out = tmp_path / "ranks2x2.json"
     multi_gpu.main(["--devices", "4", "--tiny", "--device", "cpu", "--budgets", "1.0", "--steps", "1", "--warmup", "0",
-                    "--no-eager", "--ranks", "--gpus-per-rank", "2", "--planner", "greedy", "--no-plots",
+                    "--no-eager", "--ranks", "--gpus-per-rank", "2", "--planner", "greedy", "--no-plots", "--timelines",
                     "--out", str(out)])
     ranks = next(r for r in json.loads(out.read_text())["rows"] if r["system"] == "turnip-ranks")
     assert ranks["status"] == "ok", ranks.get("error")
     assert (ranks["devices"], ranks["ranks"], ranks["gpus_per_rank"]) == (4, 2, 2)
     assert ranks["messages"] > 0 and ranks["step_s_median"] > 0
+    for rank in (0, 1):  # each rank's timeline of one more step, its messages on their own lane
+        events = json.loads((tmp_path / f"ranks2x2_ranks_1.timeline.rank{rank}.json").read_text())
+        names = {e.get("name", "") for e in (events["traceEvents"] if isinstance(events, dict) else events)}
+        assert any("turnip::send" in n for n in names) and any("turnip::recv" in n for n in names), rank

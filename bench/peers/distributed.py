@@ -66,7 +66,7 @@ def worker_env(devices: int) -> dict[str, str]:
 def command(system: str, model: str, devices: int, out: Path, *, steps: int, warmup: int, batch: int | None,
             tiny: bool, device: str, snapshot: str | None, deadline: float | None,
             save_weights: str | Path | None, log_dir: Path | None = None, budget: float | None = None,
-            planner: str | None = None, gpus_per_rank: int = 1) -> list[str]:
+            planner: str | None = None, gpus_per_rank: int = 1, timeline: str | Path | None = None) -> list[str]:
     """The torchrun command line of one run (what a user types, with ``torchrun`` for the first four words):
     ``devices // gpus_per_rank`` ranks. ``log_dir``: each rank's output also goes to a file of its own there
     (rank_logs reads them)."""
@@ -77,7 +77,7 @@ def command(system: str, model: str, devices: int, out: Path, *, steps: int, war
            "--device", device, "--out", str(out)]
     for flag, value in (("--batch", batch), ("--snapshot", snapshot), ("--deadline", deadline),
                         ("--save-weights", save_weights), ("--budget", budget), ("--planner", planner),
-                        ("--gpus-per-rank", gpus_per_rank if gpus_per_rank > 1 else None)):
+                        ("--gpus-per-rank", gpus_per_rank if gpus_per_rank > 1 else None), ("--timeline", timeline)):
         if value is not None:
             cmd += [flag, str(value)]
     return cmd + (["--tiny"] if tiny else [])
@@ -200,7 +200,7 @@ def run_distributed(system: str, model: str, devices: int, *, steps: int = 5, wa
                     batch: int | None = None, tiny: bool = False, device: str | None = None,
                     limit_s: float = 600.0, snapshot: str | None = None,
                     save_weights: str | Path | None = None, budget: float | None = None,
-                    planner: str | None = None, gpus_per_rank: int = 1) -> dict:
+                    planner: str | None = None, gpus_per_rank: int = 1, timeline: str | Path | None = None) -> dict:
     """Train ``system`` on ``devices`` GPUs (gloo processes on the CPU) in its own torchrun; its row.
 
     ``batch`` is per GPU (default: the workload's), ``snapshot`` the suite's weights file
@@ -208,7 +208,8 @@ def run_distributed(system: str, model: str, devices: int, *, steps: int = 5, wa
     systems; the tests). The ranks stop timing a little before ``limit_s`` so a slow system still reports
     the steps it timed; at ``limit_s`` everything is killed and the row is a timeout. ``budget`` and
     ``planner``: the turnip system's (per GPU: bytes, or a fraction of its unplanned peak), and
-    ``gpus_per_rank`` (turnip-ranks: ``devices // gpus_per_rank`` ranks of that many GPUs each).
+    ``gpus_per_rank`` (turnip-ranks: ``devices // gpus_per_rank`` ranks of that many GPUs each), ``timeline``
+    (turnip-ranks: each rank's Perfetto timeline of one more step, ``<stem>.rank<r><suffix>`` beside it).
     """
     if gpus_per_rank < 1 or devices % gpus_per_rank:
         raise ValueError(f"gpus_per_rank={gpus_per_rank} does not divide {devices} devices")
@@ -226,7 +227,7 @@ def run_distributed(system: str, model: str, devices: int, *, steps: int = 5, wa
         cmd = command(system, model, devices, out, steps=steps, warmup=warmup, batch=batch, tiny=tiny,
                       device=device, snapshot=snapshot, deadline=time.time() + limit_s - margin,
                       save_weights=save_weights, log_dir=Path(folder) / "logs", budget=budget, planner=planner,
-                      gpus_per_rank=gpus_per_rank)
+                      gpus_per_rank=gpus_per_rank, timeline=timeline)
         log.info("%s on %d devices: %s (limit %.0fs)", system, devices, " ".join(cmd[1:]), limit_s)
         # torchrun runs each rank in a session of its own: kill_tree finds them (stragglers too, after an exit)
         ran = run_limited(cmd, worker_env(devices), limit_s, lambda line: log.info("[%s] %s", system, line),

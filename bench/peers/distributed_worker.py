@@ -244,7 +244,8 @@ def turnip_trainer(system: System, workload: Workload, device: torch.device, bat
              "sim_step_s": mg.stats.get("simulated_step_s")}
     extra["bytes_moved"] = transfer_bytes(mg)  # the plan's own host traffic, where the peers' is estimated
     run_with = batches if len(batches) > 1 else batches[0]
-    return Trainer(lambda: engine.run(mg, run_with)["loss"], mg.state_dict, repr(optimizer).split(" ")[0], extra)
+    return Trainer(lambda timeline=None: engine.run(mg, run_with, timeline=timeline)["loss"], mg.state_dict,
+                   repr(optimizer).split(" ")[0], extra)
 
 
 TRAINERS = {"ddp": ddp_trainer, "fsdp2": fsdp2_trainer, "deepspeed": deepspeed_trainer, "turnip": turnip_trainer}
@@ -355,6 +356,10 @@ def train(args: argparse.Namespace, device: torch.device) -> tuple[PeerResult, d
         result.extra["init_peak_allocated"] = int(torch.cuda.max_memory_allocated(device))
     log.info("%s: %s built in %.1fs, wrapped in %.1fs", args.system, workload.name, build_s, init_s)
     timed_steps(result, trainer.step, args.steps, args.warmup, device, args.deadline)
+    if args.timeline is not None:  # one more step, untimed, with every unit of this rank's MemGraph
+        path = args.timeline.with_name(f"{args.timeline.stem}.rank{rank}{args.timeline.suffix}")
+        trainer.step(timeline=path)
+        result.extra["timeline"] = str(args.timeline)
     record_peaks(result, device)
     moved = result.extra.pop("bytes_moved", None)
     result.bytes_h2d, result.bytes_d2h = moved or estimated_bytes(system, workload, world)
@@ -412,6 +417,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--deadline", type=float, help="time.time() after which no further timed step starts")
     parser.add_argument("--budget", type=float, help="turnip: per GPU, bytes (> 1) or a fraction of the unplanned peak")
     parser.add_argument("--planner", default="greedy", help="turnip: compile's planner")
+    parser.add_argument("--timeline", type=Path, help="turnip-ranks: each rank writes a Perfetto timeline of one "
+                        "more step to <stem>.rank<r><suffix> beside this path")
     parser.add_argument("--gpus-per-rank", type=int, default=1, help="turnip-ranks: GPUs (devices) each rank "
                         "drives, from cuda:<LOCAL_RANK x this>")
     parser.add_argument("--save-weights", type=Path, help="rank 0 saves the final weights here (torch.save; "
@@ -419,6 +426,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.save_weights and SYSTEMS[args.system].kind == "deepspeed":
         parser.error("--save-weights is for the ddp and fsdp2 systems")
+    if args.timeline is not None and SYSTEMS[args.system].kind != "turnip":
+        parser.error("--timeline is for turnip-ranks")
     if args.gpus_per_rank < 1 or (args.gpus_per_rank > 1 and SYSTEMS[args.system].kind != "turnip"):
         parser.error(f"--gpus-per-rank {args.gpus_per_rank}: turnip-ranks drives one or more GPUs per rank, "
                      f"the other systems one")
