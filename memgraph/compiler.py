@@ -30,7 +30,7 @@ from ..planners.measure import device_name
 from ..planners.model import step_order
 from ..trace.data_parallel import read_devices
 from ..trace.passes import DONATE, run_passes
-from ..trace.ranks import check_ranks, rank_slice
+from ..trace.ranks import check_ranks, message_order, rank_slice
 from ..trace.split_loss import split_loss_head
 from ..trace.tracer import check_clipping, target_device, trace_step
 from .builder import build, build_walks
@@ -385,8 +385,8 @@ def this_rank(tg: TaskGraph, ranks: Ranks | None, device: torch.device) -> TaskG
         return tg
     check_ranks(tg, ranks.count)
     agree(ranks, {"traced step": taskgraph_digest(tg)}, device, what="the steps they traced")
-    # the updates right after their gradients (the planners' order), so their messages go out then
-    return rank_slice(tg, ranks.rank, ranks.count, order=step_order(tg))
+    # the updates right after their gradients (the planners' order); the weights they send to other ranks last
+    return rank_slice(tg, ranks.rank, ranks.count, order=message_order(tg, step_order(tg), ranks.count))
 
 
 def undonated_if_it_fits(traced: TaskGraph, gpu_budget: int, alignment: int, costs) -> tuple | None:

@@ -23,7 +23,7 @@ from turnip.ir.taskgraph import RECV, SEND
 from turnip.planners.costs import CostModel
 from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, step_order
 from turnip.planners.problem import build_problem
-from turnip.trace.ranks import WIRE_DEVICE, rank_slice
+from turnip.trace.ranks import WIRE_DEVICE, message_order, rank_slice
 from turnip.trace.tracer import trace_step
 
 from turnip import engine, memgraph
@@ -197,6 +197,28 @@ def test_a_rank_of_several_devices_sends_and_receives_on_its_first_device_only()
         received = {x for v in messages if v.op == RECV for x in v.outputs}
         staged_receives = [v for v in copies if v.args[0].value in received and v.device != WIRE_DEVICE]
         assert staged_sends and staged_receives, rank
+
+
+def test_weights_sent_after_their_update_go_out_after_every_bucket_of_gradients():
+    """message_order: a rank's messages run one at a time in the shared order, so the updated weights
+    that cross ranks come after the backward's buckets (with step_order alone each followed its
+    bucket, and the owner's update sat inside the next bucket's wait); the order stays topological."""
+    model, loss_fn, batches = make_case("gpt")
+    mine = copy.deepcopy(model)
+    step = trace_step(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu", devices=2)
+    graph = step.finished()
+    order = message_order(graph, step_order(graph), 2)
+    assert sorted(order) == list(range(len(graph.vertices)))
+    position = {vid: i for i, vid in enumerate(order)}
+    for vertex in graph.vertices:
+        for value in vertex.inputs():
+            producer = graph.values[value].producer
+            assert producer < 0 or position[producer] < position[vertex.id], (producer, vertex.id)
+    for rank in (0, 1):
+        phases = [v.phase for v in rank_slice(graph, rank, 2, order=order).vertices if v.op in (SEND, RECV)]
+        assert "optimizer" in phases and "backward" in phases
+        first_weight = phases.index("optimizer")
+        assert "backward" not in phases[first_weight:], (rank, phases)
 
 
 def _saves_resumes_and_gathers(rank: int, ranks: int, folder: str) -> str:

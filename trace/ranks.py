@@ -128,6 +128,35 @@ def rank_slice(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = N
     return out
 
 
+def message_order(tg: TaskGraph, order: list[int], ranks: int) -> list[int]:
+    """``order`` (a topological order of ``tg``, placed over ``ranks`` ranks' devices) with every
+    updated weight that crosses to another rank, and what follows from it, moved to the end.
+
+    A rank's messages run one at a time in the tag order every rank shares, so a weight sent right
+    after its update (step_order's place for it) puts the owner's whole round trip (the bucket of
+    gradients arriving, the sum, the update) between two buckets of the backward: the sender's next
+    bucket waits for it, and its compute for the bucket's memory. On two H200s that held each rank's
+    backward ~100 ms a step (gpt1.3b at 100%: 258 ms against the one process's 156). At the end, the
+    weights go out back to back once every bucket has, while the owner's updates still run as soon
+    as their gradients are summed. Moving a vertex with all its descendants keeps the order topological."""
+    if ranks < 2:
+        return list(order)
+    local = tg.devices // ranks
+    consumers = tg.consumers()
+    late: set[int] = set()
+    stack = [v.id for v in tg.vertices if v.phase == "optimizer" and (source := tg.transfer_source(v)) is not None
+             and tg.values[source].device // local != v.device // local]
+    while stack:
+        vid = stack.pop()
+        if vid in late:
+            continue
+        late.add(vid)
+        vertex = tg.vertices[vid]
+        made = [o for o in vertex.outputs if o >= 0] + [new for _, new in vertex.copy_in]
+        stack.extend(reader for value in made for reader in consumers[value])
+    return [v for v in order if v not in late] + [v for v in order if v in late]
+
+
 def _outputs_sent_to_every_rank(tg: TaskGraph, ranks: int) -> tuple[TaskGraph, dict[tuple[str, int], int]]:
     """(``tg`` with a copy of each output on the first device of every rank that does not hold it;
     (output name, rank) -> that copy)."""
