@@ -23,6 +23,7 @@ bitwise, which a ring or tree reduction is not.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 from ..ir.taskgraph import RECV, SEND, TaskGraph, Value, ValueKind, map_refs
@@ -33,6 +34,9 @@ from .errors import UnsupportedFeature
 # link with one GPU (the one its process group is bound to, or the first it used), and a buffer on another
 # GPU of the rank is copied there first (or from there after), over the rank's own device-to-device link.
 WIRE_DEVICE = 0
+# message_order sends an updated weight this many messages after its update's place: by then the
+# owner has summed the bucket and updated, so the weight's message does not hold up the next bucket
+WEIGHTS_BEHIND = 3
 
 
 def check_ranks(tg: TaskGraph, ranks: int) -> None:
@@ -128,33 +132,68 @@ def rank_slice(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = N
     return out
 
 
-def message_order(tg: TaskGraph, order: list[int], ranks: int) -> list[int]:
+def message_order(tg: TaskGraph, order: list[int], ranks: int, behind: int = WEIGHTS_BEHIND) -> list[int]:
     """``order`` (a topological order of ``tg``, placed over ``ranks`` ranks' devices) with every
-    updated weight that crosses to another rank, and what follows from it, moved to the end.
+    updated weight that crosses to another rank, and what follows from it, moved ``behind`` messages
+    later (past the last message: to the end).
 
     A rank's messages run one at a time in the tag order every rank shares, so a weight sent right
     after its update (step_order's place for it) puts the owner's whole round trip (the bucket of
     gradients arriving, the sum, the update) between two buckets of the backward: the sender's next
     bucket waits for it, and its compute for the bucket's memory. On two H200s that held each rank's
-    backward ~100 ms a step (gpt1.3b at 100%: 258 ms against the one process's 156). At the end, the
-    weights go out back to back once every bucket has, while the owner's updates still run as soon
-    as their gradients are summed. Moving a vertex with all its descendants keeps the order topological."""
+    backward ~100 ms a step (gpt1.3b at 100%: 258 ms against the one process's 156). A few buckets
+    later the update has run, and the weights still go out during the backward rather than all at
+    its end. A moved vertex goes after everything it waits for (its inputs' producers, the readers
+    of what it overwrites) and after its weight's place, so the order stays topological."""
     if ranks < 2:
         return list(order)
     local = tg.devices // ranks
+
+    def crosses(vertex) -> bool:
+        source = tg.transfer_source(vertex)
+        return source is not None and tg.values[source].device // local != vertex.device // local
+
+    roots = {v.id for v in tg.vertices if v.phase == "optimizer" and crosses(v)}
     consumers = tg.consumers()
-    late: set[int] = set()
-    stack = [v.id for v in tg.vertices if v.phase == "optimizer" and (source := tg.transfer_source(v)) is not None
-             and tg.values[source].device // local != v.device // local]
-    while stack:
-        vid = stack.pop()
-        if vid in late:
-            continue
-        late.add(vid)
+
+    def downstream(vid: int) -> list[int]:
         vertex = tg.vertices[vid]
-        made = [o for o in vertex.outputs if o >= 0] + [new for _, new in vertex.copy_in]
-        stack.extend(reader for value in made for reader in consumers[value])
-    return [v for v in order if v not in late] + [v for v in order if v in late]
+        made = [*(o for o in vertex.outputs if o >= 0), *(new for _, new in vertex.copy_in)]
+        return [reader for value in made for reader in consumers[value]]
+
+    late = set()
+    stack = list(roots)
+    while stack:  # the weights' transfers and everything downstream of them
+        vid = stack.pop()
+        if vid not in late:
+            late.add(vid)
+            stack.extend(downstream(vid))
+    kept = [v for v in order if v not in late]
+    kept_index = {v: i for i, v in enumerate(kept)}
+    messages = [i for i, v in enumerate(kept) if crosses(tg.vertices[v])]
+    place = {v: i for i, v in enumerate(order)}
+    kept_place = [place[v] for v in kept]
+    after: dict[int, int] = {}  # late vertex -> the index in ``kept`` it follows
+    for vid in order:  # topological: what a vertex waits for has its place already
+        if vid not in late:
+            continue
+        vertex = tg.vertices[vid]
+        waits = [tg.values[x].producer for x in vertex.inputs()] + \
+                [reader for old, _ in vertex.copy_in for reader in consumers[old] if reader != vid]
+        target = max((kept_index[w] if w in kept_index else after[w] for w in waits if w >= 0), default=-1)
+        if vid in roots:
+            k = bisect.bisect_left(messages, bisect.bisect_left(kept_place, place[vid])) + behind - 1
+            target = max(target, messages[k] if k < len(messages) else len(kept) - 1)
+        after[vid] = target
+    following: dict[int, list[int]] = {}
+    for vid in order:
+        if vid in late:
+            following.setdefault(after[vid], []).append(vid)
+    out = list(following.get(-1, []))
+    for i, vid in enumerate(kept):
+        out.append(vid)
+        out.extend(following.get(i, []))
+    return out
 
 
 def _outputs_sent_to_every_rank(tg: TaskGraph, ranks: int) -> tuple[TaskGraph, dict[tuple[str, int], int]]:
