@@ -199,12 +199,12 @@ def test_a_rank_of_several_devices_sends_and_receives_on_its_first_device_only()
         assert staged_sends and staged_receives, rank
 
 
-@pytest.mark.parametrize("behind", [WEIGHTS_BEHIND, 10**6])
+@pytest.mark.parametrize("behind", [3, WEIGHTS_BEHIND])
 def test_weights_sent_after_their_update_go_out_some_buckets_later(behind):
     """message_order: a rank's messages run one at a time in the shared order, so an updated weight
     that crosses ranks goes out ``behind`` messages after its update's place (with step_order alone
-    each followed its bucket, and the owner's update sat inside the next bucket's wait); past the last
-    message, at the end. The order stays topological."""
+    each followed its bucket, and the owner's update sat inside the next bucket's wait); by default
+    after every bucket. The order stays topological."""
     model, loss_fn, batches = make_case("gpt")
     mine = copy.deepcopy(model)
     step = trace_step(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu", devices=2)
@@ -226,11 +226,11 @@ def test_weights_sent_after_their_update_go_out_some_buckets_later(behind):
     for w in weights:  # the buckets that came after it in step_order and now come before it
         passed = sum(old[b] > old[w] and position[b] < position[w] for b in buckets)
         later = sum(old[b] > old[w] for b in buckets)
-        assert passed >= min(behind, later), (w, passed, later)
+        assert passed >= (later if behind is None else min(behind, later)), (w, passed, later)
     for rank in (0, 1):
         phases = [v.phase for v in rank_slice(graph, rank, 2, order=order).vertices if v.op in (SEND, RECV)]
         last_bucket = len(phases) - 1 - phases[::-1].index("backward")
-        assert ("optimizer" in phases[:last_bucket]) == (behind < len(buckets)), (rank, phases)
+        assert ("optimizer" in phases[:last_bucket]) == (behind is not None), (rank, phases)
 
 
 def _saves_resumes_and_gathers(rank: int, ranks: int, folder: str) -> str:

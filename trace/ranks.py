@@ -34,9 +34,11 @@ from .errors import UnsupportedFeature
 # link with one GPU (the one its process group is bound to, or the first it used), and a buffer on another
 # GPU of the rank is copied there first (or from there after), over the rank's own device-to-device link.
 WIRE_DEVICE = 0
-# message_order sends an updated weight this many messages after its update's place: by then the
-# owner has summed the bucket and updated, so the weight's message does not hold up the next bucket
-WEIGHTS_BEHIND = 3
+# message_order sends an updated weight this many messages after its update's place; None: after every
+# other message. On two H200s (gpt1.3b, 2 ranks) 3 behind ran 194.6 ms at 100% and 247.3 at 50% where
+# the end ran 184.0 and 229.8 (the one process 159.1 / 191.9 and 155.4 / 184.0 in those calls): the
+# owner's update runs behind its compute lane's queue, so 3 buckets later it is often not yet done
+WEIGHTS_BEHIND: int | None = None
 
 
 def check_ranks(tg: TaskGraph, ranks: int) -> None:
@@ -132,18 +134,18 @@ def rank_slice(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = N
     return out
 
 
-def message_order(tg: TaskGraph, order: list[int], ranks: int, behind: int = WEIGHTS_BEHIND) -> list[int]:
+def message_order(tg: TaskGraph, order: list[int], ranks: int, behind: int | None = WEIGHTS_BEHIND) -> list[int]:
     """``order`` (a topological order of ``tg``, placed over ``ranks`` ranks' devices) with every
     updated weight that crosses to another rank, and what follows from it, moved ``behind`` messages
-    later (past the last message: to the end).
+    later (None, or past the last message: to the end).
 
     A rank's messages run one at a time in the tag order every rank shares, so a weight sent right
     after its update (step_order's place for it) puts the owner's whole round trip (the bucket of
     gradients arriving, the sum, the update) between two buckets of the backward: the sender's next
     bucket waits for it, and its compute for the bucket's memory. On two H200s that held each rank's
     backward ~100 ms a step (gpt1.3b at 100%: 258 ms against the one process's 156). A few buckets
-    later the update has run, and the weights still go out during the backward rather than all at
-    its end. A moved vertex goes after everything it waits for (its inputs' producers, the readers
+    later the update may have run, and the weights would go out during the backward rather than all
+    at its end; measured, the end was faster (WEIGHTS_BEHIND). A moved vertex goes after everything it waits for (its inputs' producers, the readers
     of what it overwrites) and after its weight's place, so the order stays topological."""
     if ranks < 2:
         return list(order)
@@ -182,7 +184,8 @@ def message_order(tg: TaskGraph, order: list[int], ranks: int, behind: int = WEI
                 [reader for old, _ in vertex.copy_in for reader in consumers[old] if reader != vid]
         target = max((kept_index[w] if w in kept_index else after[w] for w in waits if w >= 0), default=-1)
         if vid in roots:
-            k = bisect.bisect_left(messages, bisect.bisect_left(kept_place, place[vid])) + behind - 1
+            k = len(messages) if behind is None else \
+                bisect.bisect_left(messages, bisect.bisect_left(kept_place, place[vid])) + behind - 1
             target = max(target, messages[k] if k < len(messages) else len(kept) - 1)
         after[vid] = target
     following: dict[int, list[int]] = {}
