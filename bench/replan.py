@@ -42,6 +42,7 @@ from ..memgraph.compiler import (
     built_on_every_device,
     everything_kept,
     favourite_refused,
+    per_device_candidates,
     planning_budget,
 )
 from ..memgraph.remake_offloaded import recompute_evicted
@@ -154,10 +155,14 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
     plan_s = [0.0]  # seconds spent planning this budget (every plan made again included)
 
     def planned(scale: float) -> list[Plan]:
-        """compile's plan_step: on several devices planned as one, each device then held to budget."""
+        """compile's plan_step: on several devices planned as one, each device then held to budget, and
+        each device's share planned on its own."""
         started = time.perf_counter()
-        plans = host_update_candidates(tg, plan_candidates(tg, int(planning_budget(tg, budget) * scale), None,
-                                                           costs=costs, alignment=ALIGNMENT, **options), host_update)
+        plans = plan_candidates(tg, int(planning_budget(tg, budget) * scale), None, costs=costs, alignment=ALIGNMENT,
+                                **options)
+        if tg.devices > 1:
+            plans += per_device_candidates(tg, int(budget * scale), None, costs, ALIGNMENT, options)
+        plans = host_update_candidates(tg, plans, host_update)
         plan_s[0] += time.perf_counter() - started
         return [dataclasses.replace(plan, gpu_budget=budget) for plan in plans]
 

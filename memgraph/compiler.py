@@ -34,6 +34,7 @@ from ..trace.ranks import check_ranks, message_order, rank_slice
 from ..trace.split_loss import split_loss_head
 from ..trace.tracer import check_clipping, target_device, trace_step
 from .builder import build, build_walks
+from .per_device import per_device_plan
 from .progress import Phases, stderr_is_terminal
 from .ranks import (
     Ranks,
@@ -509,7 +510,8 @@ def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: 
     ILP's time limit).
 
     A step on several devices is planned, for now, as if one device held all of them with N times
-    the budget (less the fullest device's excess of persistent bytes, home_imbalance, on each). The
+    the budget (less the fullest device's excess of persistent bytes, home_imbalance, on each), and
+    beside that with each device's share planned on its own budget (per_device_candidates). The
     devices' copies of the step are alike and run side by side, so each window of
     the serial order holds about N times one device's compute, bytes and transfers, and the window's
     time (its busiest resource), and so the plan that minimises it, scale alike; the builder then
@@ -524,12 +526,26 @@ def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: 
     if planner == "auto" and device.type == "cuda":
         plans = plan_candidates(tg, plan_budget, cpu_bytes, costs=costs, alignment=alignment, describe=describe,
                                 **options)
+    else:
+        plans = [make_plan(tg, plan_budget, cpu_bytes, planner, costs=costs, alignment=alignment, describe=describe,
+                           **options)]
+    if planner != "none" and tg.devices > 1:
+        describe("each device's share on its own")
+        plans += per_device_candidates(tg, int(gpu_budget * scale), cpu_bytes, costs, alignment, options)
+    if planner == "auto" and device.type == "cuda":
         plans = host_update_candidates(tg, plans, host_update)
     else:
-        plan = make_plan(tg, plan_budget, cpu_bytes, planner, costs=costs, alignment=alignment, describe=describe,
-                         **options)
-        plans = host_update_candidates(tg, [plan], "all" if host_update == "all" else "off")
+        plans = host_update_candidates(tg, plans, "all" if host_update == "all" else "off")
     return [dataclasses.replace(plan, gpu_budget=gpu_budget) if tg.devices > 1 else plan for plan in plans]
+
+
+def per_device_candidates(tg, gpu_budget: int, cpu_bytes: int | None, costs, alignment: int, options: dict
+                          ) -> list[Plan]:
+    """The plan of each device's share planned on its own budget (memgraph/per_device.py), as a
+    candidate beside the planned-as-one ones, where there is one."""
+    plan = per_device_plan(tg, gpu_budget, cpu_bytes, costs, alignment,
+                           **{k: v for k, v in options.items() if k != "time_limit"})
+    return [plan] if plan is not None else []
 
 
 def planning_budget(tg, gpu_budget: int) -> int:

@@ -109,7 +109,8 @@ def test_planned_budgets_home_weights_on_the_host_and_stay_bitwise(gpt_case, pla
     mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu", devices=2,
                           budget=fraction, planner=planner, verbose=False)
     assert memgraph.verify(mg) == []
-    assert mg.plan.planner in (planner, "greedy")  # the ILP returns greedy's plan when it finds none better in time
+    # the ILP returns greedy's plan when it finds none better in time; each device's share planned on its own
+    assert mg.plan.planner in (planner, "greedy", "greedy/per-device")
     assert mg.arena_bytes + mg.taskgraph.step_workspace() <= mg.plan.gpu_budget  # each device within its budget
     for ordering in ("nondeterministic", "random"):
         assert_matches_eager(mg, gpt_case, 2, ordering, seed=5)
@@ -461,3 +462,51 @@ def test_where_the_planners_favourite_leaves_a_device_short_it_is_made_again_bes
     # one device, or no faster build asked for: the first build stands
     assert compiler.built_on_every_device([1.0], build_plans, replan, 1000, 1, faster=min) == 0.728
     assert compiler.built_on_every_device([1.0], build_plans, replan, 1000, 2) == 0.728
+
+
+@pytest.mark.parametrize("devices, fraction", [(2, 0.45), (3, 0.4)])
+def test_each_devices_share_planned_on_its_own_is_a_candidate_and_stays_bitwise(gpt_case, monkeypatch, devices,
+                                                                                 fraction):
+    """planners/per_device.py: below the peak, compile also plans each device's share on its own budget
+    and puts the plans together; taken (the simulator made to pick it here), every device stays within
+    its budget and the step stays eager's averaged accumulation bitwise, in any order."""
+    picked = []
+
+    def per_device_only(candidates, costs, backend):
+        mine = [mg for mg in candidates if mg.plan.planner.endswith("/per-device")]
+        picked.append(len(mine))
+        return fastest_simulated(mine or candidates, costs, backend)
+
+    fastest_simulated = compiler.fastest_simulated
+    monkeypatch.setattr(compiler, "fastest_simulated", per_device_only)
+    mg = compiled(gpt_case, devices, budget=fraction)
+    assert picked and picked[0] > 0, picked
+    assert mg.plan.planner.endswith("/per-device")
+    assert memgraph.verify(mg) == []
+    assert mg.arena_bytes + mg.taskgraph.step_workspace() <= mg.plan.gpu_budget
+    assert mg.summary()["bytes_offloaded"] > 0 or mg.plan.recompute  # the budget bites
+    for ordering in ("deterministic", "random"):
+        assert_matches_eager(mg, gpt_case, devices, ordering, seed=7)
+
+
+def test_a_per_device_plan_that_built_leaves_the_planned_as_one_to_be_made_again_for_less(gpt_case):
+    """favourite_refused compares the planners' predictions, and a planned-as-one prediction prices the N
+    devices' work on one device: the per-device plan (memgraph/per_device.py) carries none (its shares'
+    are in its stats), so a planned-as-one candidate that left a device short is still made again for
+    less beside it."""
+    from turnip.memgraph.per_device import per_device_plan
+    from turnip.planners.costs import CostModel
+    from turnip.trace.tracer import trace_step
+
+    model, loss_fn, batches = gpt_case
+    mine = copy.deepcopy(model)
+    tg = trace_step(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu", devices=2).finished()
+    costs = CostModel(device="cpu")
+    costs.annotate(tg)
+    budget = compiler.everything_kept(tg, 64)[1] // 2
+    per_device = per_device_plan(tg, budget, None, costs, 64)
+    assert per_device is not None and per_device.planner == "greedy/per-device"
+    assert per_device.predicted_time is None and len(per_device.stats["per_device_predicted_s"]) == 2
+    as_one = compiler.make_plan(tg, compiler.planning_budget(tg, budget), None, "greedy", costs=costs, alignment=64)
+    short = InfeasibleBudget("short", minimum=budget + 1)
+    assert compiler.favourite_refused([(as_one, short)], [per_device]) is short

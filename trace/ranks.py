@@ -57,15 +57,33 @@ def rank_slice(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = N
     vertices and values renumbered from 0, messages in place of transfers from and to other ranks.
     ``order``: a topological order of ``tg``'s vertices to keep them in (default: program order);
     the messages' tags follow it."""
+    return sliced(tg, rank, ranks, order).taskgraph
+
+
+@dataclasses.dataclass
+class Slice:
+    """A rank's share of a step (rank_slice) and where its parts came from in the whole step:
+    ``values[v]`` the whole step's value of the slice's value v, ``vertices[u]`` the whole step's
+    vertex of the slice's vertex u (a message: its transfer), -1 for what the slice added (the
+    outputs' copies for every rank, the wire device's copies)."""
+
+    taskgraph: TaskGraph
+    values: dict[int, int]
+    vertices: list[int]
+
+
+def sliced(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = None) -> Slice:
+    """rank_slice's share with where its values and vertices came from (Slice)."""
     if tg.devices % ranks:
         raise ValueError(f"{tg.devices} devices do not divide among {ranks} ranks")
     local = tg.devices // ranks
-    traced = len(tg.vertices)
+    traced, traced_values = len(tg.vertices), len(tg.values)
     tg, sent = _outputs_sent_to_every_rank(tg, ranks)
     order = [*(order if order is not None else range(traced)), *range(traced, len(tg.vertices))]
     rank_of = [v.device // local for v in tg.values]
     out = dataclasses.replace(tg, values=[], vertices=[], devices=local, rank=rank, ranks=ranks)
     new_id: dict[int, int] = {}
+    origin: list[int] = []  # the whole step's vertex of each vertex added to ``out``, -1 for a wire copy
 
     def kept(val: Value) -> int:
         if val.id not in new_id:
@@ -102,18 +120,22 @@ def rank_slice(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = N
                     outgoing = staged(val)
                     out.add_vertex("aten::_to_copy", (dataclasses.replace(val.dense_ref, value=new_id[source]),), {},
                                    (outgoing,), module=vertex.module, phase=vertex.phase, device=WIRE_DEVICE)
+                    origin.append(-1)
                 out.add_vertex(SEND, (dataclasses.replace(val.dense_ref, value=outgoing),),
                                {"peer": receiver, "tag": tag}, (), module=vertex.module, phase=vertex.phase,
                                device=WIRE_DEVICE)
+                origin.append(vid)
             elif receiver == rank:
                 val = tg.values[vertex.outputs[0]]
                 got = kept(val)
                 into = got if vertex.device % local == WIRE_DEVICE else staged(val)
                 out.add_vertex(RECV, (), {"peer": sender, "tag": tag}, (into,), module=vertex.module,
                                phase=vertex.phase, device=WIRE_DEVICE)
+                origin.append(vid)
                 if into != got:
                     out.add_vertex("aten::_to_copy", (dataclasses.replace(val.dense_ref, value=into),), {}, (got,),
                                    module=vertex.module, phase=vertex.phase, device=vertex.device % local)
+                    origin.append(-1)
             tag += 1
             continue
         if vertex.device // local != rank:
@@ -125,13 +147,15 @@ def rank_slice(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = N
                      outputs=tuple(new_id[o] if o >= 0 else o for o in vertex.outputs),
                      copy_in=tuple((new_id[a], new_id[b]) for a, b in vertex.copy_in),
                      device=vertex.device % local)
+        origin.append(vid)
     out.outputs = {name: new_id[sent.get((name, rank), x)] for name, x in tg.outputs.items()}
     out.bindings = {new_id[a]: new_id[b] for a, b in tg.bindings.items() if a in new_id}
     out.batch_inputs = [new_id[x] for x in tg.batch_inputs if x in new_id]
     out.initial_state = {new_id[x]: t for x, t in tg.initial_state.items() if x in new_id}
     out.state_names = {name: new_id[x] for name, x in tg.state_names.items() if x in new_id}
     out.validate()
-    return out
+    return Slice(out, {new: old for old, new in new_id.items() if old < traced_values},
+                 [vid if vid < traced else -1 for vid in origin])
 
 
 def message_order(tg: TaskGraph, order: list[int], ranks: int, behind: int | None = WEIGHTS_BEHIND) -> list[int]:

@@ -75,7 +75,12 @@ class Workload:
         return copy.deepcopy(self.model).to(device)
 
     def batch_on(self, device):
-        return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, self.batch)
+        return batch_on(self.batch, device)
+
+
+def batch_on(batch, device):
+    """``batch`` (any structure of tensors and other leaves) with its tensors on ``device``."""
+    return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
 
 
 def trainable(model: nn.Module) -> list[nn.Parameter]:

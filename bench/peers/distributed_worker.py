@@ -61,6 +61,7 @@ from .common import (
     SKIPPED,
     PeerResult,
     Workload,
+    batch_on,
     describe,
     importable,
     is_oom,
@@ -342,7 +343,7 @@ def train(args: argparse.Namespace, device: torch.device) -> tuple[PeerResult, d
     options = {}
     if system.kind == "turnip":
         options = {"budget": budget, "planner": args.planner,
-                   "batches": [_on(b, device) for b in own] if local > 1 else None}
+                   "batches": [batch_on(b, device) for b in own] if local > 1 else None}
     trainer = TRAINERS[system.kind](system, workload, device, batch, **options)
     init_s = time.perf_counter() - t0
     result = PeerResult(args.system, math=EAGER_MATH)
@@ -368,10 +369,6 @@ def train(args: argparse.Namespace, device: torch.device) -> tuple[PeerResult, d
     if args.save_weights:
         weights = trainer.full_state()  # a collective for FSDP: every rank takes part
     return result, weights
-
-
-def _on(batch, device: torch.device):
-    return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
 
 
 def row_of(result: PeerResult, devices: int) -> dict:

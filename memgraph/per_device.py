@@ -1,0 +1,93 @@
+"""A step over several devices of one process planned device by device.
+
+plan_step (memgraph/compiler.py) plans such a step as one device with N times the budget, and the
+builder then holds each device to its own. Where the plan is tight that picture misleads: memory
+one device lacks is free on another, so the plan keeps, offloads and recomputes for a device that
+does not exist, and the builder evicts what each real device cannot hold. Here each device's share
+of the step (trace/ranks.py's slice: its transfers to and from the other devices become messages,
+priced at the device-to-device link) is planned on its own budget, and the shares' plans are put
+back together on the whole step. compile builds that plan beside the planned-as-one candidates and
+the simulator picks. On the 2 x H200 export of gpt1.3b with replicas it simulated 339.3 ms at 25% of
+eager's peak per GPU, where the best planned-as-one plan of that layout simulated 440.7; with the
+casts travelling 524.2, where the planned-as-one ILP plan simulated 306.0; at 50% it lost (207.0
+against 198.7) (bench/results/h200x2/s7/replan_gpt1.3b_x2_*_s7.json, from ``python -m turnip.bench.replan
+plan --step bench/results/h200x2/steps/step_gpt1.3b_x2[_casts]_s6.step --budgets 0.25[,0.5]
+--eager-peak 39829110784``).
+
+Each share is planned greedily (PER_DEVICE_METHOD): on that export the ILP on each share bought 2%
+at 25% (332.9 ms against 339.3) for several times the planning time (32.5 s against 7.0-9.7 s for
+the greedy shares, on a 2-core CPU busy with other work: scratch timings, not a benchmark).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+from ..ir.plan import Plan, Recompute
+from ..ir.taskgraph import TaskGraph
+from ..planners.costs import CostModel
+from ..planners.driver import run_plan
+from ..planners.model import step_order
+from ..trace.ranks import Slice, sliced
+
+log = logging.getLogger(__name__)
+
+PER_DEVICE_METHOD = "greedy"
+
+
+def per_device_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None, costs: CostModel, alignment: int,
+                    **options) -> Plan | None:
+    """The plan of ``tg`` (one process, several devices) made of each device's share planned on
+    ``gpu_budget`` (and an equal part of ``cpu_budget``); None on one device, over ranks (each rank
+    already plans its own share), or where a share's plan reorders the step."""
+    if tg.devices < 2 or tg.ranks > 1:
+        return None
+    order = step_order(tg)
+    share_costs = copy.copy(costs)  # a share's messages are the whole step's transfers between devices
+    share_costs.rank_bandwidth = costs.d2d_bandwidth
+    share_cpu = cpu_budget // tg.devices if cpu_budget is not None else None
+    parts: list[tuple[Slice, Plan]] = []
+    for device in range(tg.devices):
+        share = sliced(tg, device, tg.devices, order=order)
+        share_costs.annotate(share.taskgraph)
+        plan = run_plan(share.taskgraph, gpu_budget, share_cpu, method=PER_DEVICE_METHOD, costs=share_costs,
+                        alignment=alignment, **options)
+        if plan.order is not None:
+            kept = [share.vertices[u] for u in plan.order if share.vertices[u] >= 0]
+            mine = set(kept)
+            if kept != [v for v in order if v in mine]:
+                log.info("device %d's plan reorders the step: no per-device candidate", device)
+                return None
+        parts.append((share, plan))
+    return merged(parts, order, gpu_budget, cpu_budget)
+
+
+def merged(parts: list[tuple[Slice, Plan]], order: list[int], gpu_budget: int, cpu_budget: int | None) -> Plan:
+    """The whole step's plan from its shares' plans: every decision named by the whole step's
+    values and vertices (a share's messages by their transfers), the whole step's order."""
+    plan = Plan(gpu_budget=gpu_budget, cpu_budget=cpu_budget, order=list(order),
+                planner=f"{parts[0][1].planner}/per-device")
+    place = {vid: i for i, vid in enumerate(order)}
+    for share, part in parts:
+        values, vertices = share.values, share.vertices
+        plan.recompute += [Recompute(vertices[rc.vertex], vertices[rc.before]) for rc in part.recompute
+                           if vertices[rc.vertex] >= 0 and vertices[rc.before] >= 0]
+        plan.offload |= {values[x] for x in part.offload if x in values}
+        plan.home.update({values[x]: where for x, where in part.home.items() if x in values})
+        plan.release_after.update({values[x]: [vertices[u] for u in after if vertices[u] >= 0]
+                                   for x, after in part.release_after.items() if x in values})
+        plan.host_update |= {vertices[u] for u in part.host_update if vertices[u] >= 0}
+        plan.resident |= {values[x] for x in part.resident if x in values}
+    # the copies in the order they run: a share's copies keep theirs, the shares interleave by place
+    plan.recompute.sort(key=lambda rc: place[rc.before])
+    # No predicted_time: a share's prediction is one device's step, where the planned-as-one candidates
+    # predict the N devices' work on one device, and compile compares predictions to decide whether a
+    # candidate that left a device short is worth planning again for less (favourite_refused). With the
+    # shares' times there, a per-device plan that built kept the planned-as-one ones from being made again
+    # (the 2 x H200 casts export at 25%: 524.2 ms kept where planned again for less they simulate 376-399).
+    peaks = [part.predicted_peak for _, part in parts]
+    plan.predicted_peak = max(peaks) if None not in peaks else None
+    plan.stats = {"per_device": [part.stats for _, part in parts],
+                  "per_device_predicted_s": [part.predicted_time for _, part in parts]}
+    return plan
