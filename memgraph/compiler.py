@@ -150,7 +150,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     weight_layout says which. The budget is per device. engine.run(mg, batch) takes a list of one
     batch per device, or one batch with devices x the example's rows (split along dim 0);
     out["losses"] holds each device's loss and out["loss"] their mean. The planners see the devices as
-    one device with N times the budget (plan_step says why that holds and what it misses). Not yet:
+    one device with N times the budget (plan_step says why that holds and what it misses), and beside
+    that each device's share is planned on its own (memgraph/per_device.py); the simulator picks. Not yet:
     accumulation_steps > 1 with devices, and sharding the weights read outside autocast.
     process_group: the torch.distributed group of ranks (processes, each launched by torchrun with
     this same call) the step runs over; default: the initialized world group, if any (one rank:
