@@ -8,7 +8,8 @@ of the step (trace/ranks.py's slice: its transfers to and from the other devices
 priced at the device-to-device link) is planned on its own budget, and the shares' plans are put
 back together on the whole step. compile builds that plan beside the planned-as-one candidates and
 the simulator picks. On the 2 x H200 export of gpt1.3b with replicas it simulated 339.3 ms at 25% of
-eager's peak per GPU, where the best planned-as-one plan of that layout simulated 440.7; with the
+eager's peak per GPU, where the best planned-as-one plan of that layout simulated 397.2 (made
+again for less: none built at the whole budget); with the
 casts travelling 524.2, where the planned-as-one ILP plan simulated 306.0; at 50% it lost (207.0
 against 198.7) (bench/results/h200x2/s7/replan_gpt1.3b_x2_*_s7.json, from ``python -m turnip.bench.replan
 plan --step bench/results/h200x2/steps/step_gpt1.3b_x2[_casts]_s6.step --budgets 0.25[,0.5]
