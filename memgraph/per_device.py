@@ -86,7 +86,7 @@ def merged(parts: list[tuple[Slice, Plan]], order: list[int], gpu_budget: int, c
     # predict the N devices' work on one device, and compile compares predictions to decide whether a
     # candidate that left a device short is worth planning again for less (favourite_refused). With the
     # shares' times there, a per-device plan that built kept the planned-as-one ones from being made again
-    # (the 2 x H200 casts export at 25%: 524.2 ms kept where planned again for less they simulate 376-399).
+    # (the 2 x H200 casts export at 25%: 524.2 ms kept, where the planned-as-one ILP plan simulates 306.0).
     peaks = [part.predicted_peak for _, part in parts]
     plan.predicted_peak = max(peaks) if None not in peaks else None
     plan.stats = {"per_device": [part.stats for _, part in parts],
