@@ -544,8 +544,12 @@ def per_device_candidates(tg, gpu_budget: int, cpu_bytes: int | None, costs, ali
                           ) -> list[Plan]:
     """The plan of each device's share planned on its own budget (memgraph/per_device.py), as a
     candidate beside the planned-as-one ones, where there is one."""
-    plan = per_device_plan(tg, gpu_budget, cpu_bytes, costs, alignment,
-                           **{k: v for k, v in options.items() if k != "time_limit"})
+    try:
+        plan = per_device_plan(tg, gpu_budget, cpu_bytes, costs, alignment,
+                               **{k: v for k, v in options.items() if k != "time_limit"})
+    except InfeasibleBudget as short:  # the planned-as-one candidates stand, and the builder says what fits
+        log.info("a device's share has no plan in %s: no per-device candidate (%s)", format_bytes(gpu_budget), short)
+        return []
     return [plan] if plan is not None else []
 
 

@@ -510,3 +510,16 @@ def test_a_per_device_plan_that_built_leaves_the_planned_as_one_to_be_made_again
     as_one = compiler.make_plan(tg, compiler.planning_budget(tg, budget), None, "greedy", costs=costs, alignment=64)
     short = InfeasibleBudget("short", minimum=budget + 1)
     assert compiler.favourite_refused([(as_one, short)], [per_device]) is short
+
+
+def test_a_share_without_a_plan_leaves_the_planned_as_one_candidates(gpt_case, monkeypatch):
+    """Where a device's share has no plan in the budget (the planner's refusal), compile goes on with
+    the planned-as-one candidates, as before there was a per-device one, and stays bitwise."""
+    def refused(*args, **kwargs):
+        raise InfeasibleBudget("a share needs more", minimum=1 << 40)
+
+    monkeypatch.setattr(compiler, "per_device_plan", refused)
+    mg = compiled(gpt_case, 2, budget=0.45)
+    assert not mg.plan.planner.endswith("/per-device")
+    assert not any("per-device" in name for name in mg.stats.get("simulated_candidates", {}))
+    assert_matches_eager(mg, gpt_case, 2, "random", seed=11)
