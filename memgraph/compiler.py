@@ -524,7 +524,8 @@ def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: 
         progress.describe("planning", detail)
 
     plan_budget = int(planning_budget(tg, gpu_budget) * scale)
-    if planner == "auto" and device.type == "cuda":
+    every_candidate = planner == "auto" and device.type == "cuda"
+    if every_candidate:
         plans = plan_candidates(tg, plan_budget, cpu_bytes, costs=costs, alignment=alignment, describe=describe,
                                 **options)
     else:
@@ -533,10 +534,8 @@ def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: 
     if planner != "none" and tg.devices > 1:
         describe("each device's share on its own")
         plans += per_device_candidates(tg, int(gpu_budget * scale), cpu_bytes, costs, alignment, options)
-    if planner == "auto" and device.type == "cuda":
-        plans = host_update_candidates(tg, plans, host_update)
-    else:
-        plans = host_update_candidates(tg, plans, "all" if host_update == "all" else "off")
+    plans = host_update_candidates(tg, plans, host_update if every_candidate else
+                                   "all" if host_update == "all" else "off")
     return [dataclasses.replace(plan, gpu_budget=gpu_budget) if tg.devices > 1 else plan for plan in plans]
 
 
@@ -545,8 +544,7 @@ def per_device_candidates(tg, gpu_budget: int, cpu_bytes: int | None, costs, ali
     """The plan of each device's share planned on its own budget (memgraph/per_device.py), as a
     candidate beside the planned-as-one ones, where there is one."""
     try:
-        plan = per_device_plan(tg, gpu_budget, cpu_bytes, costs, alignment,
-                               **{k: v for k, v in options.items() if k != "time_limit"})
+        plan = per_device_plan(tg, gpu_budget, cpu_bytes, costs, alignment, **options)
     except InfeasibleBudget as short:  # the planned-as-one candidates stand, and the builder says what fits
         log.info("a device's share has no plan in %s: no per-device candidate (%s)", format_bytes(gpu_budget), short)
         return []

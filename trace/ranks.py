@@ -169,8 +169,9 @@ def message_order(tg: TaskGraph, order: list[int], ranks: int, behind: int | Non
     bucket waits for it, and its compute for the bucket's memory. On two H200s that held each rank's
     backward ~100 ms a step (gpt1.3b at 100%: 258 ms against the one process's 156). A few buckets
     later the update may have run, and the weights would go out during the backward rather than all
-    at its end; measured, the end was faster (WEIGHTS_BEHIND). A moved vertex goes after everything it waits for (its inputs' producers, the readers
-    of what it overwrites) and after its weight's place, so the order stays topological."""
+    at its end; measured, the end was faster (WEIGHTS_BEHIND). A moved vertex goes after everything
+    it waits for (its inputs' producers, the readers of what it overwrites) and after its weight's
+    place, so the order stays topological."""
     if ranks < 2:
         return list(order)
     local = tg.devices // ranks
@@ -200,6 +201,7 @@ def message_order(tg: TaskGraph, order: list[int], ranks: int, behind: int | Non
     place = {v: i for i, v in enumerate(order)}
     kept_place = [place[v] for v in kept]
     after: dict[int, int] = {}  # late vertex -> the index in ``kept`` it follows
+    following: dict[int, list[int]] = {}  # that index -> the late vertices after it, in ``order``
     for vid in order:  # topological: what a vertex waits for has its place already
         if vid not in late:
             continue
@@ -212,10 +214,7 @@ def message_order(tg: TaskGraph, order: list[int], ranks: int, behind: int | Non
                 bisect.bisect_left(messages, bisect.bisect_left(kept_place, place[vid])) + behind - 1
             target = max(target, messages[k] if k < len(messages) else len(kept) - 1)
         after[vid] = target
-    following: dict[int, list[int]] = {}
-    for vid in order:
-        if vid in late:
-            following.setdefault(after[vid], []).append(vid)
+        following.setdefault(target, []).append(vid)
     out = list(following.get(-1, []))
     for i, vid in enumerate(kept):
         out.append(vid)

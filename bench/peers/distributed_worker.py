@@ -343,7 +343,7 @@ def train(args: argparse.Namespace, device: torch.device) -> tuple[PeerResult, d
     options = {}
     if system.kind == "turnip":
         options = {"budget": budget, "planner": args.planner,
-                   "batches": [batch_on(b, device) for b in own] if local > 1 else None}
+                   "batches": [batch, *(batch_on(b, device) for b in own[1:])] if local > 1 else None}
     trainer = TRAINERS[system.kind](system, workload, device, batch, **options)
     init_s = time.perf_counter() - t0
     result = PeerResult(args.system, math=EAGER_MATH)
