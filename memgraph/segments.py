@@ -12,7 +12,10 @@ transfer from another device that comes before the segment's first vertex in mg.
 gradients the owner's sums read one after another, trace/data_parallel.py). A segment that begins by
 reading such a transfer takes only vertices that read one too or read its members' results: the
 replicas' refreshes from a bucket of weights do not hold up the backward that follows them in
-mg.serial (on four H100s that held each device ~110 ms, simulated).
+mg.serial (on four H100s that held each device ~110 ms, simulated). A message to or from another rank
+(Stream.COMM) counts as such a transfer: without it a rank of gpt1.3b on an H200 launched 531 units a
+step where a GPU of one process launched 162, every received bucket and weight cutting the segments
+around its readers.
 
 Why that is safe: contracting such a run into one vertex keeps the graph acyclic. A path leaving
 the run and coming back into it enters it by an edge from an outsider. That outsider is no compute
@@ -21,7 +24,10 @@ edges point forward in it), nor of another device (no edge joins two devices' ke
 no bytes, their data moves by transfer vertices), so it is a transfer or another non-compute vertex,
 whose successor in the run can only be the run's first member, which precedes every vertex of the
 path, or a transfer from another device placed before the first member, which no path from a
-member reaches (edges point forward in the serial order). And it costs the runtime little choice: offloads still start the moment their compute is done, compute
+member reaches (edges point forward in the serial order). A rank's messages also wait for each other,
+one at a time in tag order, which no edge shows; that order is the serial order's (check_message_order),
+so a message a segment reads, placed before the segment's first vertex, never waits for one that
+waits for the segment. And it costs the runtime little choice: offloads still start the moment their compute is done, compute
 that waits for a reload is never held back by one it does not need.
 
 Random vertices stay alone (their generator state is set per launch, which a capture would freeze),
@@ -42,6 +48,9 @@ from ..kernels.ops import reads_on_host
 # gradient, and the event loop's launches would bound the step (gpt350m on two H200s).
 SEND_DELAY_S = 1e-3
 SEND_DELAY_VERTICES = 32
+# Copies from another device of this process (D2D) and messages to or from another rank (COMM, in the tag
+# order every rank's serial order keeps, memgraph/ranks.py check_message_order) join segments alike.
+BETWEEN_DEVICES = (Stream.D2D, Stream.COMM)
 
 
 def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) -> list[list[int]]:
@@ -65,11 +74,11 @@ def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) 
     for src, dst, kind in mg.edges:
         if kind is Edge.DATA:
             data_preds[dst].append(src)
-        if vertices[src].stream is Stream.D2D:
+        if vertices[src].stream in BETWEEN_DEVICES:
             received_at[dst] = max(received_at[dst], position[src])
         elif not compute[src]:
             enters_from_outside[dst] = True
-        if vertices[dst].stream is Stream.D2D:
+        if vertices[dst].stream in BETWEEN_DEVICES:
             sends[src] = True
         elif not compute[dst]:
             leaves_to_outside[src] = True
