@@ -12,7 +12,8 @@ vertex reading the value, on the receiving rank a ``turnip::recv`` vertex making
 carries its peer and its *tag*, its position among all the step's messages in program order, which
 is the same on every rank since every rank slices the same graph: the engine runs a rank's messages
 on one lane in tag order (torch.distributed pairs sends with receives in the order each pair of
-ranks posts them; NCCL requires it). The step's outputs (the losses) are sent to every rank, so each
+ranks posts them; NCCL requires it). A value that several devices of one rank read (an owner's updated
+weights) crosses to that rank once and is copied on from its wire device. The step's outputs (the losses) are sent to every rank, so each
 returns them as one process would.
 
 Gradients cross ranks as they cross devices: each device's bucket of gradients goes to the
@@ -104,6 +105,9 @@ def sliced(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = None)
                              name=f"wire:{val.name}", device=WIRE_DEVICE)
 
     tag = 0
+    # (value, receiving rank) -> the value received on that rank's wire device (on the receiver; None
+    # elsewhere): a value several devices of one rank read crosses once and is copied on from there
+    delivered: dict[tuple[int, int], int | None] = {}
     for vid in order:
         vertex = tg.vertices[vid]
         source = tg.transfer_source(vertex)
@@ -113,6 +117,18 @@ def sliced(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = None)
                     tg.values[vertex.outputs[0]].dtype != tg.values[source].dtype:
                 raise UnsupportedFeature(f"vertex {vertex.id} ({vertex.op}) moves a value between ranks "
                                          f"{sender} and {receiver} as more than a plain copy")
+            if (source, receiver) in delivered:
+                wire = delivered[(source, receiver)]
+                if receiver == rank and vertex.device % local == WIRE_DEVICE:
+                    new_id[vertex.outputs[0]] = wire
+                elif receiver == rank:
+                    val = tg.values[vertex.outputs[0]]
+                    out.add_vertex("aten::_to_copy", (dataclasses.replace(val.dense_ref, value=wire),), {},
+                                   (kept(val),), module=vertex.module, phase=vertex.phase,
+                                   device=vertex.device % local)
+                    origin.append(vid)
+                continue
+            delivered[(source, receiver)] = None
             if sender == rank:
                 val = tg.values[source]
                 outgoing = new_id[source]
@@ -132,6 +148,7 @@ def sliced(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = None)
                 out.add_vertex(RECV, (), {"peer": sender, "tag": tag}, (into,), module=vertex.module,
                                phase=vertex.phase, device=WIRE_DEVICE)
                 origin.append(vid)
+                delivered[(source, receiver)] = into
                 if into != got:
                     out.add_vertex("aten::_to_copy", (dataclasses.replace(val.dense_ref, value=into),), {}, (got,),
                                    module=vertex.module, phase=vertex.phase, device=vertex.device % local)
