@@ -148,26 +148,6 @@ def test_updates_and_states_are_split_between_owners(gpt_case):
     assert on == {0, 1}
 
 
-@pytest.mark.parametrize("devices", [2, 3])
-def test_owners_are_dealt_in_chunks_so_the_last_gradients_go_to_several_devices(gpt_case, devices):
-    """The backward makes the first layers' gradients last: cut into N runs, one device owned all of
-    them and summed, updated and sent back its whole share after the backward. Dealt in chunks of a
-    bucket, the first share of the parameters in program order has several owners, and every device
-    owns a balanced share (within a chunk, BUCKETS_PER_OWNER of which make a device's share)."""
-    tg = compiled(gpt_case, devices).taskgraph
-    params = [v for v in tg.values if v.kind.value == "parameter"]
-    total = sum(v.nbytes for v in params)
-    first, seen = set(), 0
-    for v in params:  # program order
-        if seen >= total / devices / 2:  # half a share: one owner, cut into runs
-            break
-        first.add(v.device)
-        seen += v.nbytes
-    assert len(first) >= 2, first
-    owned = [sum(v.nbytes for v in params if v.device == d) for d in range(devices)]
-    assert min(owned) > 0.6 * total / devices, owned
-
-
 def test_one_batch_with_twice_the_rows_is_split_between_the_devices(gpt_case):
     _, _, batches = gpt_case
     mg = compiled(gpt_case, 2)

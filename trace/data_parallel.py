@@ -18,9 +18,9 @@ step equals DDP within float tolerance and this loop bitwise (the CPU backend, v
 `place_on_devices` then gives every vertex and value a device:
 
 - micro-batch m's forward and backward vertices (and its batch inputs) run on device m;
-- each trainable parameter has an owner (`owners`: the optimizer's update units in program order, cut
-  into chunks of a bucket's worth of gradients, dealt to the devices in turn, each to the one owning
-  the fewest bytes): its gradient sum, its update and its optimizer states live there;
+- each trainable parameter has an owner (`owners`: the optimizer's update units, cut into N runs of
+  about equal bytes in program order): its gradient sum, its update and its optimizer states live
+  there;
 - every other device that reads a weight reads a replica of its own, a persistent value on that
   device, refreshed after the update by a copy from the owner (DDP keeps every weight everywhere
   too); with ``casts_travel``, a weight read only through autocast's casts has none: its owner
@@ -138,18 +138,11 @@ BUCKET_BYTES = 256 << 20
 BUCKETS_PER_OWNER = 4
 
 
-def owners(tg: TaskGraph, params: list[int], count: int, chunk_bytes: int) -> dict[int, int]:
+def owners(tg: TaskGraph, params: list[int], count: int) -> dict[int, int]:
     """The device that owns each persistent value an update writes (parameters, optimizer states)
     and each parameter: update units (values joined by optimizer vertices, through anything but
-    0-dimensional values such as the shared step counter) in the order of their parameters, cut into
-    chunks of at least ``chunk_bytes`` of parameters (a bucket's worth of gradients), each dealt to
-    the device that owns the fewest bytes so far (ties: the next in turn).
-
-    Dealt, not cut into ``count`` runs: with runs, every device's gradients of a stretch of the
-    backward went to one owner (its link in busy, the others idle), and the first run's owner summed,
-    updated and sent back a quarter of the model after the backward had ended (one process over four
-    H200s: the GPU owning the first layers idle or waiting 36 ms of a 183 ms step after its own
-    backward, gpt1.3b at 100%)."""
+    0-dimensional values such as the shared step counter) in the order of their parameters, cut
+    into `count` contiguous runs of about equal bytes."""
     units = UnionFind()  # value ids: the values one optimizer update touches together
     for vertex in tg.vertices:
         if vertex.phase != "optimizer":
@@ -163,35 +156,24 @@ def owners(tg: TaskGraph, params: list[int], count: int, chunk_bytes: int) -> di
             units.union(old, new)
     members: dict[int, list[int]] = {}
     order: list[int] = []
-    param_bytes: dict[int, int] = {}
     for p in params:
         root = units[p]
         if root not in members:
             members[root] = []
             order.append(root)
-        param_bytes[root] = param_bytes.get(root, 0) + tg.values[p].nbytes
     for x in list(units.parents):
         root = units[x]
         if root in members and tg.values[x].kind.is_persistent:
             members[root].append(x)
-    chunks: list[list[int]] = [[]]
-    filled = 0
-    for root in order:
-        if filled >= chunk_bytes:
-            chunks.append([])
-            filled = 0
-        chunks[-1].append(root)
-        filled += param_bytes[root]
-    owned = [0] * count
+    sizes = [sum(tg.values[x].nbytes for x in set(members[r])) for r in order]
+    total = sum(sizes) or 1
     owner: dict[int, int] = {}
-    turn = 0
-    for chunk in chunks:
-        device = min(range(count), key=lambda d: (owned[d], (d - turn) % count))
-        turn = device + 1
-        for root in chunk:
-            owned[device] += sum(tg.values[x].nbytes for x in set(members[root]))
-            for x in members[root]:
-                owner[x] = device
+    done = 0
+    for root, size in zip(order, sizes):
+        device = min(count - 1, (done + size // 2) * count // total)
+        done += size
+        for x in members[root]:
+            owner[x] = device
     return owner
 
 
@@ -201,9 +183,8 @@ def place_on_devices(tg: TaskGraph, count: int, micro_of: dict[int, int], reduce
     micro_of: vertex -> the micro-batch (device) whose forward or backward made it; reduce_of:
     vertex -> index into `params` of the parameter whose gradient sum it is part of. casts_travel:
     the weights' dtype casts run on their owners and travel (`weight_casts`)."""
+    owner = owners(tg, params, count)
     trained = trained_weights(tg)
-    bucket_bytes = max(1, min(BUCKET_BYTES, sum(tg.values[x].nbytes for x in trained) // (count * BUCKETS_PER_OWNER)))
-    owner = owners(tg, params, count, bucket_bytes)
     mutated = set(tg.bindings) - trained  # optimizer states, BatchNorm statistics, the step counter
 
     # -- devices of inputs and vertices --------------------------------------------------------------
@@ -254,6 +235,8 @@ def place_on_devices(tg: TaskGraph, count: int, micro_of: dict[int, int], reduce
                            phase=vertex.phase, device=device)
         return moved[key]
 
+    trained_bytes = sum(tg.values[x].nbytes for x in trained)
+    bucket_bytes = max(1, min(BUCKET_BYTES, trained_bytes // (count * BUCKETS_PER_OWNER)))
     bucket_of = _gradient_buckets(tg, reduce_of, replicated, bucket_bytes)
     received: dict[int, tuple[int, int]] = {}  # gradient -> (the bucket its owner received, offset there)
 
