@@ -10,6 +10,7 @@ import pytest
 import torch
 from cases import make_case
 from test_devices import adamw, eager_data_parallel, per_device
+from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import Stream
 
 from turnip import engine, memgraph
@@ -20,6 +21,20 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.devi
 
 def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in b)
+
+
+def compile_at_least_the_floor(model, loss_fn, batch, make_opt, budget, **options):
+    """memgraph.compile on a deep copy of ``model``; a fraction below what the tiny step can work in
+    (its op workspace alone is most of its peak on an H200) becomes the smallest budget that works,
+    plus 5%."""
+    mine = copy.deepcopy(model)
+    try:
+        return memgraph.compile(mine, loss_fn, batch, optimizer=make_opt(mine.parameters()), device="cuda",
+                                budget=budget, verbose=False, **options)
+    except InfeasibleBudget as too_small:
+        mine = copy.deepcopy(model)
+        return memgraph.compile(mine, loss_fn, batch, optimizer=make_opt(mine.parameters()), device="cuda",
+                                budget=int(too_small.minimum * 1.05), verbose=False, **options)
 
 
 def sgd(params):  # linear in the gradient: a rounding difference stays one (Adam's ratio amplifies those of
@@ -35,9 +50,7 @@ def test_gpus_match_eager_averaged_accumulation(devices, budget, make_opt):
     want, want_losses = eager_data_parallel(model, loss_fn, steps, make_opt)
     again, _ = eager_data_parallel(model, loss_fn, steps, make_opt)
     spread = _max_diff(again, want)  # eager against itself: the kernels' own run-to-run differences
-    mine = copy.deepcopy(model)
-    mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=make_opt(mine.parameters()),
-                          device="cuda", devices=devices, budget=budget, verbose=False)
+    mg = compile_at_least_the_floor(model, loss_fn, batches[0], make_opt, budget, devices=devices)
     assert memgraph.verify(mg) == []
     assert {p.device for mv in mg.vertices for p in mv.writes.values() if p.where == "gpu"} == set(range(devices))
     assert any(mv.stream is Stream.D2D for mv in mg.vertices)

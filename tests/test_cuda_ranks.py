@@ -10,9 +10,9 @@ import copy
 import pytest
 import torch
 from cases import make_case
+from test_cuda_devices import compile_at_least_the_floor
 from test_devices import adamw, per_device
 from test_ranks import run_ranks
-from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import Stream
 
 from turnip import engine, memgraph
@@ -25,14 +25,7 @@ def _steps(budget, devices: int, path: str) -> list:
     the ranks to compare. A fraction below what the tiny step can work in (its op workspace alone is
     most of its peak on an H200) becomes the smallest budget that works, plus 5%."""
     model, loss_fn, batches = make_case("gpt", device="cuda")
-    mine = copy.deepcopy(model)
-    try:
-        mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cuda",
-                              devices=devices, budget=budget, verbose=False)
-    except InfeasibleBudget as too_small:
-        mine = copy.deepcopy(model)
-        mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cuda",
-                              devices=devices, budget=int(too_small.minimum * 1.05), verbose=False)
+    mg = compile_at_least_the_floor(model, loss_fn, batches[0], adamw, budget, devices=devices)
     losses = [engine.run(mg, micro)["loss"].cpu() for micro in per_device(batches, devices, steps=3)]
     state = {k: v.cpu() for k, v in mg.state_dict().items()}
     budget_bytes = mg.plan.gpu_budget if budget is not None else None

@@ -20,9 +20,9 @@ from cases import bf16_autocast, make_case
 from test_devices import adamw, eager_data_parallel
 from turnip.ir.memgraph import Edge, Stream
 from turnip.ir.taskgraph import RECV, SEND
+from turnip.memgraph.segments import find_segments
 from turnip.planners.costs import CostModel
 from turnip.planners.model import KEEP, OFFLOAD, RECOMPUTE, step_order
-from turnip.memgraph.segments import find_segments
 from turnip.planners.problem import build_problem
 from turnip.trace.ranks import WEIGHTS_BEHIND, WIRE_DEVICE, message_order, rank_slice, sliced
 from turnip.trace.tracer import trace_step
