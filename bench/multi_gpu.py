@@ -100,6 +100,7 @@ def run_turnip(workload: Workload, device_type: str, devices: int, budget: float
                         unplanned_peak=mg.stats.get("unplanned_peak"), host_updates=len(mg.plan.host_update),
                         weight_layout=mg.stats.get("weight_layout"),
                         weight_layouts_simulated_s=mg.stats.get("weight_layouts_simulated_s"),
+                        simulated_candidates_s=mg.stats.get("simulated_candidates"),
                         compile_phase_s=mg.stats.get("compile_phase_seconds"))
     release_memory(device_type)
     reset_peaks(device_type, devices)
