@@ -139,7 +139,7 @@ def replan(step: Path, budgets: list[str], options: dict, host_update: str = "of
     eager_peak = eager_peak or facts.get("eager_peak_allocated")
     rows = []
     for text in budgets:
-        rows += _rows_at(tg, facts, costs, text, _budget(text, eager_peak, peak), peak, eager_peak, options,
+        rows += _rows_at(tg, facts, costs, text, budget_bytes(text, eager_peak, peak), peak, eager_peak, options,
                          host_update)
         best = min((r for r in rows if r["budget"] == text), key=lambda r: r["simulated_s"], default=None)
         if best is not None:
@@ -209,7 +209,7 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
         return []
 
 
-def _budget(text: str, eager_peak: int | None, peak: int) -> int:
+def budget_bytes(text: str, eager_peak: int | None, peak: int) -> int:
     """A fraction of eager's measured peak (as the suite's budgets), or a size ("7.5GiB")."""
     try:
         fraction = float(text)

@@ -67,7 +67,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -343,6 +343,10 @@ class _Sim:
         self.unpolled: list[int] = []  # device news the loop has not polled yet
         self.finished = 0
         self.now = 0.0
+        # started vertices that may not progress yet: a rank's message until its peer posts it too (ranks_sim)
+        self.waiting: set[int] = set()
+        self.holds: Callable[[int], bool] | None = None  # whether a vertex just started must wait
+        self._host_at = math.nan  # the host's event next_event found first
 
     def _lane(self, key: int, inst: int) -> _Lane:
         lane = self.lanes.get((key, inst))
@@ -414,6 +418,8 @@ class _Sim:
                 self.start[vid] = self.now
                 self.remaining[vid] = self.dur[vid]
                 self.active[lane.pool].append(vid)
+                if self.holds is not None and self.holds(vid):
+                    self.waiting.add(vid)
 
     def _finish(self, vid: int) -> None:
         lane = self.lane_of[vid]
@@ -452,43 +458,64 @@ class _Sim:
                         speed[pool] *= cap / moving
         return speed
 
-    def run(self) -> None:
+    def next_event(self) -> tuple[int, float, bool, list, dict]:
+        """(the vertex that ends first or -1, seconds until the next event, whether it is the host's,
+        the busy pools with their progressing vertices, each pool's speed). dt is inf when nothing
+        can happen: every vertex done, or a stall (or, among ranks, every one waiting on a peer)."""
+        pools = [(pool, [v for v in vids if v not in self.waiting] if self.waiting else vids)
+                 for pool, vids in self.active.items() if vids]
+        pools = [(pool, vids) for pool, vids in pools if vids]
+        host_event = self._host_event()
+        # the next event: the pool whose least-remaining vertex ends first at its shared rate
+        speed = self._speeds(pools)
+        first, dt = -1, math.inf
+        for pool, vids in pools:
+            for v in vids:
+                t = self.remaining[v] * len(vids) / speed[pool]
+                if t < dt:
+                    first, dt = v, t
+        if host_event < self.now + dt:  # the host acts first: running vertices progress, none is due
+            self._host_at = host_event
+            return -1, host_event - self.now, True, pools, speed
+        return first, dt, False, pools, speed
+
+    def advance(self, first: int, dt: float, host: bool, pools: list, speed: dict) -> None:
+        """Move the clock ``dt`` on (to the host's event when ``host``), finishing ``first`` and
+        whatever else ran out, then let the loop take its reports and the lanes start their heads."""
+        self.now = self._host_at if host else self.now + dt
+        done = []
+        for pool, vids in pools:
+            self.busy[pool] += dt
+            share = dt * speed[pool] / len(vids)
+            for v in vids:
+                left = self.remaining[v] - share
+                self.remaining[v] = left
+                if v == first or left <= self.EPS:
+                    done.append(v)
+        if done:
+            ended = set(done)
+            for vids in self.active.values():
+                vids[:] = [v for v in vids if v not in ended]
+        for v in sorted(done):
+            self._finish(v)
+        self._drain()
+
+    def stall(self) -> StallError:
+        stuck = self.s.stuck()
+        return StallError(f"simulated stall: {len(stuck)} of {self.g.n} vertices can never run "
+                          f"(nothing ready, nothing in flight)\n{self.s.explain_stuck(self.mg)}", stuck)
+
+    def begin(self) -> None:
         self._launch_all(self.s.start())
         self._drain()
-        n = self.g.n
-        while self.finished < n:
-            pools = [(pool, vids) for pool, vids in self.active.items() if vids]
-            host_event = self._host_event()
-            if not pools and host_event == math.inf:
-                stuck = self.s.stuck()
-                raise StallError(f"simulated stall: {len(stuck)} of {n} vertices can never run "
-                                 f"(nothing ready, nothing in flight)\n{self.s.explain_stuck(self.mg)}", stuck)
-            # the next event: the pool whose least-remaining vertex ends first at its shared rate
-            speed = self._speeds(pools)
-            first, dt = -1, math.inf
-            for pool, vids in pools:
-                for v in vids:
-                    t = self.remaining[v] * len(vids) / speed[pool]
-                    if t < dt:
-                        first, dt = v, t
-            if host_event < self.now + dt:  # the host acts first: running vertices progress, none is due
-                first, dt = -1, host_event - self.now
-                self.now = host_event
-            else:
-                self.now += dt
-            done = []
-            for pool, vids in pools:
-                self.busy[pool] += dt
-                share = dt * speed[pool] / len(vids)
-                keep = []
-                for v in vids:
-                    left = self.remaining[v] - share
-                    self.remaining[v] = left
-                    (done if v == first or left <= self.EPS else keep).append(v)
-                vids[:] = keep
-            for v in sorted(done):
-                self._finish(v)
-            self._drain()
+
+    def run(self) -> None:
+        self.begin()
+        while self.finished < self.g.n:
+            first, dt, host, pools, speed = self.next_event()
+            if dt == math.inf:
+                raise self.stall()
+            self.advance(first, dt, host, pools, speed)
         if not self.s.finished:  # every vertex ran, so the loop must agree
             raise RuntimeError("simulation ended with the scheduler not finished")
 
@@ -512,6 +539,19 @@ def simulate(mg: MemGraph, costs: Costs = None, jitter: float = 0.0, ordering: s
     the loop's cost, see the module docstring for how the two differ).
     host_per_vertex: host seconds per launch on the one loop thread; None: the cost model's (host_seconds).
     """
+    sim, graph, policy, pool = prepared(mg, costs, jitter, ordering, seed, streams, bandwidth, duplex=duplex,
+                                        backend=backend, launch_ahead=launch_ahead, overhead=overhead,
+                                        host_per_vertex=host_per_vertex, transfer_ahead=transfer_ahead)
+    sim.run()
+    return sim_result(sim, graph, policy, pool, seed, jitter, duplex)
+
+
+def prepared(mg: MemGraph, costs: Costs = None, jitter: float = 0.0, ordering: str | Policy = "nondeterministic",
+             seed: int = 0, streams: dict | None = None, bandwidth: Any = None, *, duplex: bool = True,
+             backend: str = "cuda", launch_ahead: int | None = None, overhead: float = 0.0,
+             host_per_vertex: float | None = None, transfer_ahead: int | None = None) -> tuple:
+    """(the simulation of one step of ``mg``, not yet run; its StaticGraph, Policy and StreamPool), as
+    simulate's arguments say: simulate runs it, engine/ranks_sim.py runs several together."""
     if jitter < 0:
         raise ValueError(f"jitter is the lognormal sigma and must be >= 0, got {jitter}")
     host = host_seconds(costs, host_per_vertex, backend)
@@ -530,8 +570,14 @@ def simulate(mg: MemGraph, costs: Costs = None, jitter: float = 0.0, ordering: s
     depth = (CUDA_LAUNCH_AHEAD if backend == "cuda" else 0) if launch_ahead is None else int(launch_ahead)
     sim = _Sim(mg, sched, durations, duplex, depth, host, transfer_depth(backend, transfer_ahead),
                both_ways_share(costs, bandwidth), link_bandwidths(costs, bandwidth), rates_of(costs).host_links)
-    sim.run()
+    return sim, graph, policy, pool
 
+
+def sim_result(sim: _Sim, graph: StaticGraph, policy: Policy, pool: StreamPool, seed: int, jitter: float,
+               duplex: bool) -> SimResult:
+    """The SimResult of ``sim``, run to its end."""
+    mg, sched = sim.mg, sim.s
+    host = sim.host
     head = graph.head  # units are named by their first vertex
     timeline = sorted((Span(head[u], sim.lane_of[u].name, sim.start[u], sim.end[u]) for u in range(graph.n)),
                       key=lambda s: (s.start, s.vertex))

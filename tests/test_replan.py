@@ -151,3 +151,19 @@ def test_variant_regret_prices_each_subset_of_problems_against_all():
     assert by_variant["{}"]["worst"] == pytest.approx(0.1) and by_variant["{}"]["mean"] == pytest.approx(0.05)
     assert by_variant['{"headroom": 1.0}']["worst"] == pytest.approx(0.2)
     assert results[0]["variants"] == [{}]  # the better worst case first among single problems
+
+
+def test_a_step_over_two_devices_cut_into_ranks_simulates_each_alone_and_together(tmp_path):
+    """bench/replan_ranks.py: the exported step over two devices as two ranks, planned at each
+    budget; together no rank ends before it would alone (its messages wait for their peer's)."""
+    from turnip.bench import replan_ranks
+
+    step = replan.export(make_workload("gpt350m", tiny=True), "cpu", tmp_path, eager=False, devices=2)
+    assert replan_ranks.main(["--step", str(step), "--budgets", "1.0,0.5", "--out", str(tmp_path / "out")]) == 0
+    rows = json.loads(next((tmp_path / "out").glob("ranks_sim_*.json")).read_text())["rows"]
+    assert [row["budget"] for row in rows] == ["1.0", "0.5"]
+    assert rows[0]["planner"] == ["none", "none"] and all(p != "none" for p in rows[1]["planner"])
+    for row in rows:
+        assert row["ranks"] == 2 and row["devices_per_rank"] == 1 and min(row["messages_per_rank"]) > 0
+        for alone, together in zip(row["solo_s"], row["joint_s"]):
+            assert together >= alone * (1 - 1e-9), row
