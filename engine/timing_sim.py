@@ -56,6 +56,8 @@ StreamPool / WorkspacePool decides every launch, exactly as
   streams and never hidden; it gives the host model's step time only for a chain
   launched without launch-ahead, where host and device alternate. Both may be
   set; they add.
+- Messages between ranks (Stream.COMM): alone, at their bytes over the cost model's rank_bandwidth,
+  as if the peer had posted its end already; engine/ranks_sim.py simulates every rank together.
 - Not modelled: host time that is not a launch (taking a report, polling; fold
   it into ``host_per_vertex``, which is measured per vertex), kernel launch
   latency on the device, PCIe contention with anything else, CPU-side work of
