@@ -117,19 +117,10 @@ def sliced(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = None)
                     tg.values[vertex.outputs[0]].dtype != tg.values[source].dtype:
                 raise UnsupportedFeature(f"vertex {vertex.id} ({vertex.op}) moves a value between ranks "
                                          f"{sender} and {receiver} as more than a plain copy")
-            if (source, receiver) in delivered:
-                wire = delivered[(source, receiver)]
-                if receiver == rank and vertex.device % local == WIRE_DEVICE:
-                    new_id[vertex.outputs[0]] = wire
-                elif receiver == rank:
-                    val = tg.values[vertex.outputs[0]]
-                    out.add_vertex("aten::_to_copy", (dataclasses.replace(val.dense_ref, value=wire),), {},
-                                   (kept(val),), module=vertex.module, phase=vertex.phase,
-                                   device=vertex.device % local)
-                    origin.append(vid)
-                continue
-            delivered[(source, receiver)] = None
-            if sender == rank:
+            first = (source, receiver) not in delivered
+            if first:
+                delivered[(source, receiver)] = None
+            if sender == rank and first:
                 val = tg.values[source]
                 outgoing = new_id[source]
                 if val.device % local != WIRE_DEVICE:
@@ -143,17 +134,24 @@ def sliced(tg: TaskGraph, rank: int, ranks: int, order: list[int] | None = None)
                 origin.append(vid)
             elif receiver == rank:
                 val = tg.values[vertex.outputs[0]]
-                got = kept(val)
-                into = got if vertex.device % local == WIRE_DEVICE else staged(val)
-                out.add_vertex(RECV, (), {"peer": sender, "tag": tag}, (into,), module=vertex.module,
-                               phase=vertex.phase, device=WIRE_DEVICE)
-                origin.append(vid)
-                delivered[(source, receiver)] = into
-                if into != got:
-                    out.add_vertex("aten::_to_copy", (dataclasses.replace(val.dense_ref, value=into),), {}, (got,),
-                                   module=vertex.module, phase=vertex.phase, device=vertex.device % local)
-                    origin.append(-1)
-            tag += 1
+                on_wire = vertex.device % local == WIRE_DEVICE
+                if first:
+                    got = kept(val)
+                    into = got if on_wire else staged(val)
+                    out.add_vertex(RECV, (), {"peer": sender, "tag": tag}, (into,), module=vertex.module,
+                                   phase=vertex.phase, device=WIRE_DEVICE)
+                    origin.append(vid)
+                    delivered[(source, receiver)] = into
+                if on_wire:  # the received value itself (a second delivery: the one a device off the wire got)
+                    new_id.setdefault(val.id, delivered[(source, receiver)])
+                else:  # copied on from the wire device: the received value's copy, or this transfer's own
+                    out.add_vertex("aten::_to_copy",
+                                   (dataclasses.replace(val.dense_ref, value=delivered[(source, receiver)]),), {},
+                                   (kept(val),), module=vertex.module, phase=vertex.phase,
+                                   device=vertex.device % local)
+                    origin.append(-1 if first else vid)
+            if first:
+                tag += 1
             continue
         if vertex.device // local != rank:
             continue
