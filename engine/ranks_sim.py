@@ -19,6 +19,7 @@ messages between different pairs of ranks do not share bandwidth.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -41,21 +42,21 @@ def simulate_ranks(mgs: list[MemGraph], costs: Costs | list[Costs] = None, **opt
                              f"MemGraph of one step, in rank order ({ranks} given)")
     per_rank = costs if isinstance(costs, list) else [costs] * ranks
     runs = [prepared(mg, c, **options) for mg, c in zip(mgs, per_rank)]
-    sims = [run[0] for run in runs]
+    sims = [run.sim for run in runs]
     partner = _partners(sims)
 
-    def holds(rank: int):
-        def waits(unit: int) -> bool:
-            peer, peer_unit = partner[rank].get(unit, (None, None))
-            return peer is not None and math.isnan(sims[peer].start[peer_unit])
-        return waits
+    def peer_waits(rank: int, unit: int) -> bool:
+        """Whether the message ``unit`` of ``rank`` still waits for its peer to post its end."""
+        peer, peer_unit = partner[rank].get(unit, (None, None))
+        return peer is not None and math.isnan(sims[peer].start[peer_unit])
 
     for rank, sim in enumerate(sims):
-        sim.holds = holds(rank)
+        sim.holds = functools.partial(peer_waits, rank)
     for sim in sims:
         sim.begin()
     while any(sim.finished < sim.g.n for sim in sims):
-        _release(sims, partner)
+        for rank, sim in enumerate(sims):  # a waiting message moves once its peer's has started
+            sim.waiting = {unit for unit in sim.waiting if peer_waits(rank, unit)}
         events = [sim.next_event() if sim.finished < sim.g.n else (-1, math.inf, False, [], {}) for sim in sims]
         dt = min(event[1] for event in events)
         if dt == math.inf:
@@ -71,10 +72,8 @@ def simulate_ranks(mgs: list[MemGraph], costs: Costs | list[Costs] = None, **opt
             else:  # another rank's event comes first: this one's running vertices progress, none ends
                 sim.advance(-1, dt, False, pools, speed)
     for sim in sims:
-        if not sim.s.finished:
-            raise RuntimeError("simulation ended with the scheduler not finished")
-    seed, jitter, duplex = options.get("seed", 0), options.get("jitter", 0.0), options.get("duplex", True)
-    return [sim_result(*run, seed, jitter, duplex) for run in runs]
+        sim.check_finished()
+    return [sim_result(run) for run in runs]
 
 
 def _partners(sims) -> list[dict[int, tuple[int, int]]]:
@@ -101,10 +100,3 @@ def _partners(sims) -> list[dict[int, tuple[int, int]]]:
         raise ValueError(f"message {tag} from rank {sender} to rank {receiver} has no match on the other rank "
                          f"({len(posted)} unmatched): the MemGraphs are not the ranks of one step")
     return partner
-
-
-def _release(sims, partner) -> None:
-    """Let a waiting message move once its peer's has started."""
-    for rank, sim in enumerate(sims):
-        for unit in [u for u in sim.waiting if not math.isnan(sims[partner[rank][u][0]].start[partner[rank][u][1]])]:
-            sim.waiting.discard(unit)

@@ -518,6 +518,9 @@ class _Sim:
             if dt == math.inf:
                 raise self.stall()
             self.advance(first, dt, host, pools, speed)
+        self.check_finished()
+
+    def check_finished(self) -> None:
         if not self.s.finished:  # every vertex ran, so the loop must agree
             raise RuntimeError("simulation ended with the scheduler not finished")
 
@@ -541,19 +544,30 @@ def simulate(mg: MemGraph, costs: Costs = None, jitter: float = 0.0, ordering: s
     the loop's cost, see the module docstring for how the two differ).
     host_per_vertex: host seconds per launch on the one loop thread; None: the cost model's (host_seconds).
     """
-    sim, graph, policy, pool = prepared(mg, costs, jitter, ordering, seed, streams, bandwidth, duplex=duplex,
-                                        backend=backend, launch_ahead=launch_ahead, overhead=overhead,
-                                        host_per_vertex=host_per_vertex, transfer_ahead=transfer_ahead)
-    sim.run()
-    return sim_result(sim, graph, policy, pool, seed, jitter, duplex)
+    run = prepared(mg, costs, jitter, ordering, seed, streams, bandwidth, duplex=duplex, backend=backend,
+                   launch_ahead=launch_ahead, overhead=overhead, host_per_vertex=host_per_vertex,
+                   transfer_ahead=transfer_ahead)
+    run.sim.run()
+    return sim_result(run)
+
+
+class Prepared(NamedTuple):
+    """A simulation set up by ``prepared`` and what its SimResult reports beside its clock."""
+
+    sim: _Sim
+    graph: StaticGraph
+    policy: Policy
+    pool: StreamPool
+    seed: int
+    jitter: float
 
 
 def prepared(mg: MemGraph, costs: Costs = None, jitter: float = 0.0, ordering: str | Policy = "nondeterministic",
              seed: int = 0, streams: dict | None = None, bandwidth: Any = None, *, duplex: bool = True,
              backend: str = "cuda", launch_ahead: int | None = None, overhead: float = 0.0,
-             host_per_vertex: float | None = None, transfer_ahead: int | None = None) -> tuple:
-    """(the simulation of one step of ``mg``, not yet run; its StaticGraph, Policy and StreamPool), as
-    simulate's arguments say: simulate runs it, engine/ranks_sim.py runs several together."""
+             host_per_vertex: float | None = None, transfer_ahead: int | None = None) -> Prepared:
+    """The simulation of one step of ``mg``, not yet run, as simulate's arguments say: simulate runs
+    it, engine/ranks_sim.py runs several together."""
     if jitter < 0:
         raise ValueError(f"jitter is the lognormal sigma and must be >= 0, got {jitter}")
     host = host_seconds(costs, host_per_vertex, backend)
@@ -572,14 +586,13 @@ def prepared(mg: MemGraph, costs: Costs = None, jitter: float = 0.0, ordering: s
     depth = (CUDA_LAUNCH_AHEAD if backend == "cuda" else 0) if launch_ahead is None else int(launch_ahead)
     sim = _Sim(mg, sched, durations, duplex, depth, host, transfer_depth(backend, transfer_ahead),
                both_ways_share(costs, bandwidth), link_bandwidths(costs, bandwidth), rates_of(costs).host_links)
-    return sim, graph, policy, pool
+    return Prepared(sim, graph, policy, pool, seed, jitter)
 
 
-def sim_result(sim: _Sim, graph: StaticGraph, policy: Policy, pool: StreamPool, seed: int, jitter: float,
-               duplex: bool) -> SimResult:
-    """The SimResult of ``sim``, run to its end."""
-    mg, sched = sim.mg, sim.s
-    host = sim.host
+def sim_result(run: Prepared) -> SimResult:
+    """The SimResult of ``run``'s simulation, run to its end."""
+    sim, graph, policy, pool, seed, jitter = run
+    mg, sched, host, duplex = sim.mg, sim.s, sim.host, sim.duplex
     head = graph.head  # units are named by their first vertex
     timeline = sorted((Span(head[u], sim.lane_of[u].name, sim.start[u], sim.end[u]) for u in range(graph.n)),
                       key=lambda s: (s.start, s.vertex))
