@@ -38,17 +38,10 @@ from ..ir.errors import InfeasibleBudget
 from ..ir.plan import Plan
 from ..ir.step_file import load_step, save_step
 from ..memgraph.builder import build_walks
-from ..memgraph.compiler import (
-    built_on_every_device,
-    everything_kept,
-    favourite_refused,
-    per_device_candidates,
-    planning_budget,
-)
+from ..memgraph.compiler import built_on_every_device, everything_kept, favourite_refused, plan_step
+from ..memgraph.progress import Phases
 from ..memgraph.remake_offloaded import recompute_evicted
 from ..planners.costs import CostModel, DeviceSpec, default_costs
-from ..planners.driver import plan_candidates
-from ..planners.host_update import host_update_candidates
 from ..planners.measure import device_name
 from ..trace.tracer import trace_step
 from .models.sizes import make_workload
@@ -155,16 +148,12 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
     plan_s = [0.0]  # seconds spent planning this budget (every plan made again included)
 
     def planned(scale: float) -> list[Plan]:
-        """compile's plan_step: on several devices planned as one, each device then held to budget, and
-        each device's share planned on its own."""
+        """compile's plans on CUDA with planner "auto" (plan_step)."""
         started = time.perf_counter()
-        plans = plan_candidates(tg, int(planning_budget(tg, budget) * scale), None, costs=costs, alignment=ALIGNMENT,
-                                **options)
-        if tg.devices > 1:
-            plans += per_device_candidates(tg, int(budget * scale), None, costs, ALIGNMENT, options)
-        plans = host_update_candidates(tg, plans, host_update)
+        plans = plan_step(tg, budget, None, "auto", torch.device("cuda"), costs, ALIGNMENT,
+                          Phases([], enabled=False), options, host_update, scale)
         plan_s[0] += time.perf_counter() - started
-        return [dataclasses.replace(plan, gpu_budget=budget) for plan in plans]
+        return plans
 
     def simulated(plans: list[Plan]) -> tuple[list[dict], InfeasibleBudget | None]:
         """A row per walk of each plan that builds, and as compile's build_candidates the refusal of a
