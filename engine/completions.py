@@ -40,7 +40,7 @@ import time
 import torch
 
 from .errors import EngineError
-from .loop import Completion
+from .loop import Completion, Ran
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +123,13 @@ class LaneCompletions:
     """The books of the loop's completion source on CUDA; subclasses say how a lane's head is seen
     to finish. Only the loop thread calls these methods.
 
-    ``needs``: per unit, the resources it holds beside its stream (StaticGraph.needs). ``lanes``: the
-    runtime's {(stream key, instance): Lane}, filled as streams are first used."""
+    ``needs``: per unit, the resources it holds beside its stream (StaticGraph.needs). ``watched``:
+    per unit, whether a Ran must follow its report at enqueue once it has run (StaticGraph.watched).
+    ``lanes``: the runtime's {(stream key, instance): Lane}, filled as streams are first used."""
 
-    def __init__(self, needs: list, lanes: dict):
+    def __init__(self, needs: list, watched: list, lanes: dict):
         self.needs = needs
+        self.watched = watched
         self.lanes = lanes
         n = len(needs)
         self.lane_of: list[Lane | None] = [None] * n  # set at enqueue; read only for units of this step
@@ -163,17 +165,19 @@ class LaneCompletions:
         if lane.reported_in_flight < lane.depth and (self.shared_workspace or not self.needs[unit]):
             lane.reported_in_flight += 1  # _report_early, inlined: this runs once per launch
             self.reported[unit] = 1
-            self.ready.append(Completion(unit, None, 0.0, 0.0))
+            self.ready.append(Completion(unit, None, 0.0, 0.0, ran=False))
         else:
             lane.unreported.append(unit)
 
     def retire_head(self, lane: Lane) -> None:
-        """The oldest unit on ``lane`` finished: report it unless launch-ahead already did, then
-        report early what the freed depth allows."""
+        """The oldest unit on ``lane`` finished: report it unless launch-ahead already did (then say
+        it ran, if watched), then report early what the freed depth allows."""
         unit = lane.in_flight.popleft()
         self.finished[unit] = 1
         if self.reported[unit]:
             lane.reported_in_flight -= 1
+            if self.watched[unit]:
+                self.ready.append(Ran(unit))
         else:  # unreported units are in launch order too: this one is the first of them
             lane.unreported.popleft()
             self.reported[unit] = 1
@@ -193,15 +197,15 @@ class LaneCompletions:
     def _report_early(self, lane: Lane, unit: int) -> None:
         lane.reported_in_flight += 1
         self.reported[unit] = 1
-        self.ready.append(Completion(unit, None, 0.0, 0.0))
+        self.ready.append(Completion(unit, None, 0.0, 0.0, ran=False))
 
 
 class EventCompletions(LaneCompletions):
     """Completion by polling: the event recorded after each unit (``events[unit]``) is queried at
     the head of every lane."""
 
-    def __init__(self, needs: list, lanes: dict, events: list):
-        super().__init__(needs, lanes)
+    def __init__(self, needs: list, watched: list, lanes: dict, events: list):
+        super().__init__(needs, watched, lanes)
         self.events = events
 
     def get(self, timeout: float | None = None) -> Completion:
@@ -232,8 +236,8 @@ class CallbackCompletions(LaneCompletions):
     """Completion by stream callbacks: after each unit, ``launch_host_func(stream handle, put, unit)``
     enqueues a host function that puts the unit's id on ``fired``; the loop blocks on ``fired``."""
 
-    def __init__(self, needs: list, lanes: dict, launch_host_func):
-        super().__init__(needs, lanes)
+    def __init__(self, needs: list, watched: list, lanes: dict, launch_host_func):
+        super().__init__(needs, watched, lanes)
         self.fired: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._launch_host_func = launch_host_func
         self._fire = self.fired.put  # the host function: one C call, no CUDA, nothing else to keep alive

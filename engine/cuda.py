@@ -275,9 +275,9 @@ class CudaRuntime(Runtime):
         source = self._sources.get(mode)
         if source is None:
             if mode == "callback":
-                source = CallbackCompletions(self.graph.needs, self.lanes, launch_host_func())
+                source = CallbackCompletions(self.graph.needs, self.graph.watched, self.lanes, launch_host_func())
             else:
-                source = EventCompletions(self.graph.needs, self.lanes, self.events)
+                source = EventCompletions(self.graph.needs, self.graph.watched, self.lanes, self.events)
             self._sources[mode] = source
         return source
 

@@ -133,6 +133,15 @@ class StaticGraph:
                 self.keys.append(key)
             self.key_of.append(key_index[key])
             self.device.append(key[1])
+        # units that launch only once what they read has really been made, not merely reported at
+        # enqueue (launch-ahead): copies between devices. Launched on such a report, a copy holds its
+        # stream instance while the device waits for its writer, and copies ready behind it wait too:
+        # on four GPUs the owners' updated weights, launched as their updates were enqueued, held every
+        # device's incoming gradient buckets (simulated, gpt1.3b: 197 ms a step against 174).
+        self.waits_for_run = [self.keys[k][0] is Stream.D2D for k in self.key_of]
+        # units whose real end some successor waits for: the backend tells the loop (Ran) when one of
+        # them, reported at enqueue, has run
+        self.watched = [any(self.waits_for_run[s] for s in self.succs[u]) for u in range(n)]
         # stream keys whose units launch in one fixed order whatever the policy: the messages to and from
         # other ranks, in tag order (trace/ranks.py), which every rank shares; key index -> units in order
         tasks = mg.taskgraph.vertices
@@ -218,6 +227,10 @@ class Scheduler:
         self._next = [0] * self.nkeys
         self.in_flight = 0
         self.done = 0
+        # units reported at enqueue, not yet seen to run, whose successors waiting for that (StaticGraph.
+        # waits_for_run) ran() releases
+        self.unran = bytearray(graph.n)
+        self.awaiting_run = 0
         self.halted = False
         self.drained = True  # False when drive() returned or raised with units still in flight
         self.launch_order: list[int] = []  # vertex ids in launch order (tests, traces); a unit's in its order
@@ -232,8 +245,10 @@ class Scheduler:
             self._make_ready(vid)
         return self._dispatch()
 
-    def complete(self, vid: int) -> list[Launch]:
-        """Vertex ``vid`` finished (or failed): free its resources, release its successors."""
+    def complete(self, vid: int, ran: bool = True) -> list[Launch]:
+        """Unit ``vid`` finished (or failed): free its resources, release its successors. ``ran``
+        False: it was reported at enqueue and may still run on the device; its successors that wait
+        for its real end (StaticGraph.waits_for_run) are released by ``ran(vid)`` instead."""
         if self.state[vid] != RUNNING:
             raise RuntimeError(f"completion for vertex {vid}, which is {_STATE_NAMES[self.state[vid]]}")
         g = self.g
@@ -244,11 +259,35 @@ class Scheduler:
         held = self.held[vid]
         if held is not None:
             self._release(vid, held)
+        early = not ran and g.watched[vid]
+        if early:
+            self.unran[vid] = 1
+            self.awaiting_run += 1
+        waits = g.waits_for_run
         pending = self.pending
         for s in g.succs[vid]:
+            if early and waits[s]:
+                continue
             pending[s] -= 1
             if pending[s] == 0:
                 self._make_ready(s)
+        if self.halted:
+            return []
+        return self._dispatch()
+
+    def ran(self, vid: int) -> list[Launch]:
+        """Unit ``vid``, reported at enqueue, has really run: release its successors that waited for
+        that. A unit ``complete`` did not hold any successor for is ignored."""
+        if not self.unran[vid]:
+            return []
+        self.unran[vid] = 0
+        self.awaiting_run -= 1
+        waits, pending = self.g.waits_for_run, self.pending
+        for s in self.g.succs[vid]:
+            if waits[s]:
+                pending[s] -= 1
+                if pending[s] == 0:
+                    self._make_ready(s)
         if self.halted:
             return []
         return self._dispatch()
@@ -368,6 +407,13 @@ class Completion(NamedTuple):
     error: BaseException | None
     start: float
     end: float
+    ran: bool = True  # False: reported at enqueue (launch-ahead); a Ran follows where StaticGraph.watched
+
+
+class Ran(NamedTuple):
+    """A unit reported at enqueue has really run (backends send it for StaticGraph.watched units)."""
+
+    vertex: int
 
 
 class Record(NamedTuple):
@@ -600,9 +646,9 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
         launch_all(scheduler.start())
         while scheduler.done < n:
             take_interrupt()
-            if scheduler.in_flight == 0:
-                if failure is not None or (interrupt is not None and not finishing):
-                    break
+            if scheduler.in_flight == 0 and (failure is not None or (interrupt is not None and not finishing)):
+                break
+            if scheduler.in_flight == 0 and not scheduler.awaiting_run:  # (awaiting: reported units still run)
                 stuck = scheduler.stuck()
                 raise StallError(f"stall: {len(stuck)} of {scheduler.g.n} vertices can never run "
                                  f"(nothing ready, nothing in flight)\n{scheduler.explain_stuck(mg)}", stuck)
@@ -614,6 +660,9 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
                     break  # abandoned: the units still in flight are the caller's to account for
                 done = wait(min(left, POLL_S))
             if done is None:
+                continue
+            if type(done) is Ran:
+                launch_all(scheduler.ran(done.vertex))
                 continue
             vid = done.vertex  # a unit
             error = done.error
@@ -630,7 +679,7 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
                     halt()
                 else:
                     log.warning("vertex %d also failed while draining: %r", vid, error)
-            launch_all(scheduler.complete(vid))
+            launch_all(scheduler.complete(vid, done.ran))
     except BaseException:
         scheduler.halt()
         scheduler.drained = scheduler.in_flight == 0

@@ -34,7 +34,9 @@ StreamPool / WorkspacePool decides every launch, exactly as
   ``transfer_ahead`` = k, the first k unfinished copies of each copy stream at launch, as on the
   device.
   A vertex launched early behind a slow one (an offload after a queued kernel)
-  holds its stream instance from launch to report, as on the device.
+  holds its stream instance from launch to report, as on the device. A copy
+  between devices launches only once its writers have run: the loop hears of
+  that (engine.loop.Ran) when it polls the device, as engine/cuda.py's does.
 - Host. The loop thread is one serial resource: every launch, compute or
   transfer, occupies it for ``host_per_vertex`` seconds (default: the cost
   model's ``host_per_vertex_on(backend)``, else its ``host_per_vertex``, else 0;
@@ -341,8 +343,11 @@ class _Sim:
         self.active: dict[tuple, list[int]] = collections.defaultdict(list)  # pool -> running vertices
         self.busy: dict[tuple, float] = collections.defaultdict(float)
         self.duplex = duplex
-        self.completions: collections.deque[int] = collections.deque()  # reports the loop takes in turn
-        self.unpolled: list[int] = []  # device news the loop has not polled yet
+        # reports the loop takes in turn, and device news it has not polled yet: a unit id is its report,
+        # ~id (negative) says that unit, reported at enqueue, has run (engine.loop.Ran)
+        self.completions: collections.deque[int] = collections.deque()
+        self.unpolled: list[int] = []
+        self.early = bytearray(g.n)  # reported before it ran
         self.finished = 0
         self.now = 0.0
         # started vertices that may not progress yet: a rank's message until its peer posts it too (ranks_sim)
@@ -382,6 +387,7 @@ class _Sim:
 
     def _report(self, vid: int, to: collections.deque[int] | list[int]) -> None:
         self.reported[vid] = 1
+        self.early[vid] = math.isnan(self.end[vid])
         to.append(vid)
 
     def _drain(self) -> None:
@@ -396,7 +402,11 @@ class _Sim:
                     break
                 self.completions.extend(self.unpolled)
                 self.unpolled.clear()
-            self._launch_all(self.s.complete(self.completions.popleft()))
+            news = self.completions.popleft()
+            if news < 0:
+                self._launch_all(self.s.ran(~news))
+            else:
+                self._launch_all(self.s.complete(news, ran=not self.early[news]))
         self._start_ready()
 
     def _host_event(self) -> float:
@@ -432,6 +442,8 @@ class _Sim:
             self.pending[s] -= 1
         if self.reported[vid]:
             lane.reported -= 1
+            if self.g.watched[vid]:
+                self.unpolled.append(~vid)
         else:  # transfers report when done (as engine/cuda.py's poll: reported vertices are the older ones)
             if lane.unreported and lane.unreported[0] == vid:
                 lane.unreported.popleft()

@@ -120,12 +120,12 @@ class FakeGPU:
                 stream.ops.popleft()  # after the host function returned, as CUDA does
 
 
-def random_memgraph(n: int, seed: int) -> MemGraph:
-    """A random DAG of compute and copy vertices, some needing workspace."""
+def random_memgraph(n: int, seed: int, streams=(Stream.COMPUTE, Stream.COMPUTE, Stream.H2D, Stream.D2H)) -> MemGraph:
+    """A random DAG of compute and copy vertices (of ``streams``, drawn evenly), some needing workspace."""
     rng = random.Random(seed)
     mg = MemGraph(taskgraph=TaskGraph(), plan=Plan(gpu_budget=0))
     for _ in range(n):
-        stream = rng.choice((Stream.COMPUTE, Stream.COMPUTE, Stream.H2D, Stream.D2H))
+        stream = rng.choice(streams)
         mg.add_vertex(Kind.COMPUTE, stream, workspace=rng.choice((0, 0, 10)))
     for dst in range(n):
         for src in range(max(0, dst - 10), dst):
@@ -143,15 +143,19 @@ def run_on_fake_gpu(mode: str, mg: MemGraph, seed: int, depth: int, copies_ahead
     gpu = FakeGPU(graph.predecessors(), seed)
     lanes: dict[tuple[int, int], Lane] = {}
     if mode == "callback":
-        source = CallbackCompletions(graph.needs, lanes, gpu.launch_host_func)
+        source = CallbackCompletions(graph.needs, graph.watched, lanes, gpu.launch_host_func)
     else:
-        source = EventCompletions(graph.needs, lanes, gpu.done)
+        source = EventCompletions(graph.needs, graph.watched, lanes, gpu.done)
     sizes = [counts[stream] for stream, _ in graph.keys]
     shared = all(n == 1 for (stream, _), n in zip(graph.keys, sizes) if stream is Stream.COMPUTE)
     source.begin_step(shared)
     early: dict[int, int] = collections.Counter()  # per lane: reported, not yet done, at each launch
+    unmade: list[tuple[int, int]] = []  # (copy between devices, a predecessor not done when it launched)
+    preds = graph.predecessors()
 
     def launch(item):
+        if graph.waits_for_run[item.vertex]:
+            unmade.extend((item.vertex, p) for p in preds[item.vertex] if not gpu.done[p].done)
         lane = lanes.get((item.key, item.instance))
         if lane is None:
             compute = graph.keys[item.key][0] is Stream.COMPUTE
@@ -168,7 +172,7 @@ def run_on_fake_gpu(mode: str, mg: MemGraph, seed: int, depth: int, copies_ahead
         gpu.stop.set()
         gpu.thread.join()
     depths = {id(lane): lane.depth for lane in lanes.values()}
-    return records, {"early": early, "depths": depths, "source": source, "gpu": gpu}
+    return records, {"early": early, "depths": depths, "source": source, "gpu": gpu, "unmade": unmade}
 
 
 @pytest.mark.parametrize("mode", COMPLETIONS)
@@ -195,10 +199,28 @@ def test_every_unit_is_reported_once_and_early_only_within_depth(mode, depth, co
         assert not [v for v in early if needs[v]]
 
 
+@pytest.mark.parametrize("mode", COMPLETIONS)
+@pytest.mark.parametrize("seed", range(4))
+def test_a_copy_between_devices_launches_only_once_what_it_reads_has_run(mode, seed):
+    """Kernels are reported at enqueue (launch-ahead 16), so the loop learns of their real end only
+    from the Ran that follows; a copy between devices launched on the report alone would hold its
+    stream while its writer still runs. Fails if the scheduler releases such a copy on the report."""
+    mg = random_memgraph(120, seed, streams=(Stream.COMPUTE, Stream.COMPUTE, Stream.D2D, Stream.H2D))
+    counts = {Stream.COMPUTE: 1, Stream.D2D: 1, Stream.H2D: 2}
+    records, seen = run_on_fake_gpu(mode, mg, seed, 16, 4, counts)
+    assert sorted(r.vertex for r in records) == list(range(len(mg.vertices)))
+    graph = StaticGraph(mg)
+    copies = [v for v in range(len(mg.vertices)) if graph.waits_for_run[v]]
+    assert any(graph.watched[p] for p in range(len(mg.vertices)))  # the graph has kernels copies wait for
+    early = {r.vertex for r in records if r.end == 0.0}
+    assert early & {p for v in copies for p in graph.predecessors()[v]}  # some reported before they ran
+    assert seen["unmade"] == []
+
+
 def test_callback_source_retires_everything_queued_before_a_fired_unit():
     """Stream order: the host function of the third unit means the first two finished too."""
     fired = []
-    source = CallbackCompletions([()] * 3, {}, lambda handle, fn, arg: fired.append((fn, arg)))
+    source = CallbackCompletions([()] * 3, [False] * 3, {}, lambda handle, fn, arg: fired.append((fn, arg)))
     source.begin_step(True)
     lane = Lane(FakeStream(7), compute=False, depth=0)
     for unit in range(3):
@@ -215,7 +237,7 @@ def test_callback_source_surfaces_a_failed_stream_instead_of_waiting(monkeypatch
     stream = FakeStream(3)
     stream.ops.append(("work", 0))
     lanes = {(0, 0): Lane(stream, compute=False, depth=0)}
-    source = CallbackCompletions([()], lanes, lambda handle, fn, arg: None)
+    source = CallbackCompletions([()], [False], lanes, lambda handle, fn, arg: None)
     source.begin_step(True)
     source.enqueued(lanes[(0, 0)], 0)
     stream.error = RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -228,7 +250,7 @@ def test_callback_source_surfaces_a_failed_stream_instead_of_waiting(monkeypatch
 
 
 def test_callback_source_drops_what_a_failed_step_left_queued():
-    source = CallbackCompletions([()] * 2, {}, lambda handle, fn, arg: None)
+    source = CallbackCompletions([()] * 2, [False] * 2, {}, lambda handle, fn, arg: None)
     source.fired.put(1)
     source.begin_step(True)
     assert source.fired.empty() and not source.ready

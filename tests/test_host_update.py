@@ -170,7 +170,7 @@ def test_the_host_lane_reports_each_unit_once_it_ran_with_its_error_and_start():
     stream = HostStream("test-host")
     lane = Lane(stream, compute=False, depth=4)
     assert lane.host and lane.depth == 0
-    source = EventCompletions([(), ()], {(0, 0): lane}, events)
+    source = EventCompletions([(), ()], [False, False], {(0, 0): lane}, events)
     source.begin_step(True)
     release = HostDone()
     for unit, error in ((0, RuntimeError("update failed")), (1, None)):

@@ -612,3 +612,26 @@ def test_trace_names_what_each_unit_waited_for(tmp_path):
     assert len(gaps) == 1
     assert gaps[0]["vertex"] == b and gaps[0]["gap_us"] == pytest.approx(9000, abs=50)
     assert gaps[0]["cause"] == "waits for reload" and gaps[0]["waited_for"]["vertex"] == 0
+
+
+def test_a_copy_between_devices_waits_for_its_writer_off_its_stream():
+    """Device 0 runs a long kernel, device 2 a short one; device 1 copies in each one's output on its
+    one copy stream, the long one's copy first in priority. Both kernels are reported at enqueue, so
+    launched on that report the long one's copy would hold the stream until the kernel ends and the
+    short one's copy would wait behind it; the loop launches a copy between devices once its writer
+    has run, so the short kernel's copy goes first."""
+    mg = MemGraph(taskgraph=TaskGraph(), plan=Plan(gpu_budget=1 << 20))
+    on = {d: Place("gpu", 0, 1 << 20, device=d) for d in (0, 1, 2)}
+    long = mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE, writes={0: on[0]})
+    short = mg.add_vertex(Kind.COMPUTE, Stream.COMPUTE, writes={1: on[2]})
+    long_copy = mg.add_vertex(Kind.COMPUTE, Stream.D2D, reads={0: on[0]}, writes={2: on[1]})
+    short_copy = mg.add_vertex(Kind.COMPUTE, Stream.D2D, reads={1: on[2]}, writes={3: on[1]})
+    mg.add_edge(long, long_copy, Edge.DATA)
+    mg.add_edge(short, short_copy, Edge.DATA)
+    mg.serial = [long, short, long_copy, short_copy]
+    costs = {long: 10e-3, short: 1e-3, long_copy: 1e-3, short_copy: 1e-3}
+    res = simulate(mg, costs, backend="cuda", host_per_vertex=0.0)
+    span = {s.vertex: s for s in res.timeline}
+    assert span[short_copy].start == pytest.approx(1e-3)
+    assert span[long_copy].start == pytest.approx(10e-3)
+    assert res.step_time == pytest.approx(11e-3)
