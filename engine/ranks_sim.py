@@ -13,8 +13,8 @@ making no progress, until the matching message (same tag, the other rank) has st
 peer's, then both move its bytes at the link's rate and end together.
 
 What it assumes beyond timing_sim: ranks start the step at the same time; a waiting message holds
-its lane and nothing else (NCCL's kernel spins, which on a GPU costs some of the SMs; not modelled);
-messages between different pairs of ranks do not share bandwidth.
+its lane, and slows its device's compute as a moving one does (NCCL's kernel spins on SMs: the cost
+model's compute_beside_messages); messages between different pairs of ranks do not share bandwidth.
 """
 
 from __future__ import annotations

@@ -60,6 +60,8 @@ StreamPool / WorkspacePool decides every launch, exactly as
   set; they add.
 - Messages between ranks (Stream.COMM): alone, at their bytes over the cost model's rank_bandwidth,
   as if the peer had posted its end already; engine/ranks_sim.py simulates every rank together.
+  While a message is on a device (moving or waiting for its peer, as NCCL's kernel spins on SMs),
+  that device computes at the cost model's ``compute_beside_messages`` of its speed.
 - Not modelled: host time that is not a launch (taking a report, polling; fold
   it into ``host_per_vertex``, which is measured per vertex), kernel launch
   latency on the device, PCIe contention with anything else, CPU-side work of
@@ -321,8 +323,10 @@ class _Sim:
 
     def __init__(self, mg: MemGraph, sched: Scheduler, durations: list[float], duplex: bool, depth: int,
                  host: float = 0.0, transfer_depth: int = 0, both_ways: float = 1.0,
-                 link_rates: tuple[float, float] = (1.0, 1.0), host_links: HostLinks | None = None):
+                 link_rates: tuple[float, float] = (1.0, 1.0), host_links: HostLinks | None = None,
+                 compute_beside_messages: float = 1.0):
         self.mg, self.s, self.dur, self.depth, self.host = mg, sched, durations, depth, host
+        self.compute_beside_messages = compute_beside_messages  # compute's share while a message is on
         self.both_ways = both_ways  # each direction's rate while the other copies too (both_ways_share)
         self.rate = {"h2d": link_rates[0], "d2h": link_rates[1]}  # bytes/s of one device's link, each way
         self.host_links = host_links or HostLinks()
@@ -457,6 +461,10 @@ class _Sim:
         ``both_ways`` of it while the other direction of that device copies too, and every device's
         links together at most what the host moves (``host_links``: each direction, and both)."""
         speed = {pool: 1.0 for pool, _ in pools}
+        if self.compute_beside_messages < 1.0:  # a message on the device, moving or waiting for its peer
+            for (name, dev), vids in self.active.items():
+                if name == "comm" and vids and ("compute", dev) in speed:
+                    speed[("compute", dev)] *= self.compute_beside_messages
         if self.both_ways < 1.0:
             busy = set(speed)
             for name, dev in busy:
@@ -597,7 +605,8 @@ def prepared(mg: MemGraph, costs: Costs = None, jitter: float = 0.0, ordering: s
         durations = (np.asarray(durations) * np.exp(jitter * z - jitter * jitter / 2)).tolist()
     depth = (CUDA_LAUNCH_AHEAD if backend == "cuda" else 0) if launch_ahead is None else int(launch_ahead)
     sim = _Sim(mg, sched, durations, duplex, depth, host, transfer_depth(backend, transfer_ahead),
-               both_ways_share(costs, bandwidth), link_bandwidths(costs, bandwidth), rates_of(costs).host_links)
+               both_ways_share(costs, bandwidth), link_bandwidths(costs, bandwidth), rates_of(costs).host_links,
+               rates_of(costs).compute_beside_messages)
     return Prepared(sim, graph, policy, pool, seed, jitter)
 
 

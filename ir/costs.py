@@ -39,6 +39,9 @@ class CostModel(Protocol):
     @property
     def rank_bandwidth(self) -> float: ...  # bytes/s of a message from one rank to another (another host's)
 
+    @property
+    def compute_beside_messages(self) -> float: ...  # share of compute speed while a rank's message is on the device
+
     def estimate(self, tg: Any, vertex: Any) -> tuple[float, int]:
         """(seconds, workspace bytes) of a TaskGraph vertex that carries no measured time."""
         ...
@@ -74,6 +77,7 @@ class FixedRates:
     d2d_bandwidth: float = 300e9
     host_links: HostLinks = field(default_factory=HostLinks)
     rank_bandwidth: float = 25e9
+    compute_beside_messages: float = 1.0
 
     def estimate(self, tg: Any, vertex: Any) -> tuple[float, int]:
         return 0.0, 0

@@ -62,6 +62,11 @@ class DeviceSpec:
     # bytes/s of a message between ranks (trace/ranks.py): another host's, through a 200 Gb/s NIC per GPU;
     # compile's rank_bandwidth= gives the figure of the machines at hand
     rank_link: float = 25e9
+    # share of a GPU's compute speed left while one of its rank's messages is on it (NCCL's kernel, moving
+    # bytes or spinning for its peer, holds SMs and HBM): two ranks of one H200 each, gpt1.3b at 100%,
+    # computed 167.0 and 162.4 ms a step with messages on them 126 and 91 ms, against 155.4 in one process
+    # (bench/results/h200x2/s9/call2_*ranks*timeline*): about 8% slower while a message is on
+    compute_beside_messages: float = 0.92
     # what the host moves over every device's link together (ir.costs.HostLinks): a CostModel of a
     # step over several CUDA devices measures it; the analytic default caps nothing
     host_links: HostLinks = field(default_factory=HostLinks)
@@ -375,6 +380,12 @@ class CostModel:
             return {keys[way]: rate for way, rate in rates.items()}
 
         return HostLinks(**{way: self._cached_rate(key, measured) for way, key in keys.items()})
+
+    @property
+    def compute_beside_messages(self) -> float:
+        """Share of a device's compute speed while a message between ranks is on it: the spec's on
+        CUDA (NCCL's kernels); 1 on the CPU backend, whose gloo messages run on threads of their own."""
+        return self.spec.compute_beside_messages if self.device.startswith("cuda") else 1.0
 
     @property
     def d2d_bandwidth(self) -> float:

@@ -4,6 +4,7 @@ once both of its ranks have posted it (engine/ranks_sim.py)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 from cases import make_case
@@ -84,3 +85,21 @@ def test_the_memgraphs_of_one_step_in_rank_order_are_required(two_ranks):
         engine.simulate_ranks(list(reversed(mgs)), costs)
     with pytest.raises(ValueError, match="rank order"):
         engine.simulate_ranks(mgs[:1], costs)
+
+
+def test_a_message_on_a_device_slows_its_compute(two_ranks):
+    """NCCL's kernel holds SMs while a message is on the GPU, moving or spinning for its peer: with
+    compute at half speed beside a message, a rank's kernels take longer in all, by at most the time
+    messages are on its device (each second of overlap at half speed costs at most one more)."""
+    mgs, costs = two_ranks
+    assert costs.compute_beside_messages == 1.0  # the CPU backend: gloo's messages run on threads of their own
+
+    def on_cuda(share):
+        return CostModel(device="cuda", measure=False, spec=dataclasses.replace(costs.spec, compute_beside_messages=share))
+
+    before = engine.simulate_ranks(mgs, on_cuda(1.0))
+    after = engine.simulate_ranks(mgs, on_cuda(0.5))
+    for mg, b, a in zip(mgs, before, after):
+        messages_on = sum(s.end - s.start for s in a.timeline if mg.vertices[s.vertex].stream is Stream.COMM)
+        assert b.compute_busy < a.compute_busy <= b.compute_busy + messages_on + 1e-12
+    assert max(r.step_time for r in after) > max(r.step_time for r in before)
