@@ -161,7 +161,7 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
         found, refused, built_plans = [], [], []
         for k, plan in enumerate(plans):
             try:
-                built = list(zip(("ahead", "compact"), build_walks(tg, plan, alignment=ALIGNMENT), strict=False))
+                built = list(build_walks(tg, plan, alignment=ALIGNMENT).items())
             except InfeasibleBudget as exc:  # as compile: on several devices the other candidates stand
                 log.warning("%s#%d does not build: %s", plan.planner, k, exc)
                 refused.append((plan, exc))
@@ -169,7 +169,7 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
             built_plans.append(plan)
             amended = recompute_evicted(tg, plan, built[0][1], costs)  # as compile tries on its pick
             if amended is not None:
-                built.append(("ahead+recomputed evictions", build_walks(tg, amended, alignment=ALIGNMENT)[0]))
+                built.append(("ahead+recomputed evictions", build_walks(tg, amended, alignment=ALIGNMENT)["ahead"]))
             for walk, mg in built:
                 sim = simulate(mg, costs, backend="cuda")
                 moved_in, moved_out = transfer_bytes(mg)

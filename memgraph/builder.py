@@ -28,13 +28,14 @@ log = logging.getLogger(__name__)
 
 
 def _attempt(tg: TaskGraph, order: list[int], plan: Plan, alignment: int, gpu_budget: int,
-             sched: Schedule | None = None, compact: bool = False, prefetch: bool = True) -> MemGraph:
+             sched: Schedule | None = None, compact: bool = False, prefetch: bool = True,
+             crossing_last: bool = False) -> MemGraph:
     started = time.perf_counter()
     sched = sched or Schedule(tg, order, plan, alignment)
     scheduled = time.perf_counter() - started
     if gpu_budget < sched.plan_floor()[0]:
         raise OutOfMemory("gpu", -1)  # some step cannot fit: no need to simulate
-    mg = HorizonWalk(tg, order, plan, alignment, gpu_budget, sched, compact, prefetch).run()
+    mg = HorizonWalk(tg, order, plan, alignment, gpu_budget, sched, compact, prefetch, crossing_last).run()
     mg.stats["seconds_schedule"] = scheduled
     return mg
 
@@ -126,15 +127,21 @@ def build(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, compact: bool 
 
 
 def build_walks(taskgraph: TaskGraph, plan: Plan, alignment: int = 256,
-                segment_size: int | str | None = "auto") -> list[MemGraph]:
-    """The plan built by both walks (see build): allocate-ahead, then compact where that builds at
-    the plan's budget, each once, for a caller that compares them (memgraph.compile simulates
-    both). Raises InfeasibleBudget when the allocate-ahead walk cannot build."""
+                segment_size: int | str | None = "auto") -> dict[str, MemGraph]:
+    """The plan built by each walk (see build), by name, for a caller that compares them
+    (memgraph.compile simulates them all): "ahead" (allocate-ahead); on several devices "apart"
+    (allocate-ahead reusing the bytes of transfers between devices last, HorizonWalk's
+    crossing_last); "compact" where that builds at the plan's budget. Raises InfeasibleBudget when
+    the allocate-ahead walk cannot build."""
     graph, order = _expanded(taskgraph, plan, alignment)
     sched = Schedule(graph, order, plan, alignment)
-    walks = [_walk(graph, order, plan, alignment, False, segment_size, sched=sched)]
+    walks = {"ahead": _walk(graph, order, plan, alignment, False, segment_size, sched=sched)}
+    if graph.devices > 1:
+        walks["apart"] = _walk(graph, order, plan, alignment, False, segment_size, sched=sched, crossing_last=True)
     packed = _compact_walk(graph, order, plan, alignment, segment_size, sched)
-    return walks + ([packed] if packed is not None else [])
+    if packed is not None:
+        walks["compact"] = packed
+    return walks
 
 
 def rebuild_ahead(mg: MemGraph, prefetch: bool) -> MemGraph:
@@ -180,11 +187,13 @@ def _no_cycle_collection():
 
 
 def _walk(graph: TaskGraph, order: list[int], plan: Plan, alignment: int, compact: bool,
-          segment_size: int | str | None, prefetch: bool = True, sched: Schedule | None = None) -> MemGraph:
+          segment_size: int | str | None, prefetch: bool = True, sched: Schedule | None = None,
+          crossing_last: bool = False) -> MemGraph:
     started = time.perf_counter()
     with _no_cycle_collection():
         try:
-            mg = _attempt(graph, order, plan, alignment, plan.gpu_budget, sched, compact=compact, prefetch=prefetch)
+            mg = _attempt(graph, order, plan, alignment, plan.gpu_budget, sched, compact=compact, prefetch=prefetch,
+                          crossing_last=crossing_last)
         except OutOfMemory as exc:
             minimum, vertex = _minimum(graph, order, plan, alignment, compact)
             if minimum > plan.gpu_budget:
@@ -197,7 +206,7 @@ def _walk(graph: TaskGraph, order: list[int], plan: Plan, alignment: int, compac
             # that works fits this budget too, so use it.
             log.warning("GPU budget %d runs out of pinned CPU storage; building with %d instead",
                         plan.gpu_budget, minimum)
-            mg = _attempt(graph, order, plan, alignment, minimum, sched, compact=compact)
+            mg = _attempt(graph, order, plan, alignment, minimum, sched, compact=compact, crossing_last=crossing_last)
             mg.stats["arena_budget_used"] = minimum
     return _finished(mg, started, segment_size)
 

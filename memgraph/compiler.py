@@ -324,7 +324,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                 if host_update != "off":
                     log.info("the step fits its budget: every update stays on the GPU (host_update=%r applies "
                              "below the unplanned peak)", host_update)
-                return keep_everything(tg, layout.keep_all, gpu_budget, cpu_bytes, alignment)
+                return keep_everything(tg, layout.keep_all, gpu_budget, cpu_bytes, alignment, costs, device.type)
 
             def replanned(scale: float) -> list[Plan]:
                 progress.describe("building", "planning again for less: a device's share did not fit")
@@ -685,24 +685,24 @@ def home_imbalance(tg) -> int:
 
 def build_candidates(tg, candidates: list[Plan], alignment: int, costs,
                      backend: str) -> tuple[MemGraph, str | None, InfeasibleBudget | None]:
-    """The MemGraph of the plans, which walk of the builder made it ("ahead", "compact"; None where
-    build chose by itself), and the refusal of a candidate that left a device short though the planner
-    predicted it faster than every one that built (favourite_refused). On CUDA both walks of each
-    plan are built (memgraph/builder.py) and the simulator picks."""
+    """The MemGraph of the plans, which walk of the builder made it ("ahead", "apart", "compact"; None
+    where build chose by itself), and the refusal of a candidate that left a device short though the
+    planner predicted it faster than every one that built (favourite_refused). On CUDA every walk of
+    each plan is built (memgraph/builder.py build_walks) and the simulator picks."""
     mgs, walks = [], []
     refused = []  # (plan, refusal) of the candidates that left a device short
     for plan in candidates:
         # on several devices a plan made for all of them as one may leave one device short: the others stand
         try:
-            built = build_walks(tg, plan, alignment=alignment) if backend == "cuda" else [build(tg, plan, alignment=alignment)]
+            built = build_walks(tg, plan, alignment=alignment) if backend == "cuda" else {None: build(tg, plan, alignment=alignment)}
         except InfeasibleBudget as exc:
             if tg.devices == 1 or len(candidates) == 1:
                 raise
             log.info("the %s plan does not build on every device (%s); the other candidates stand", plan.planner, exc)
             refused.append((plan, exc))
             continue
-        mgs += built
-        walks += ["ahead", "compact"][:len(built)] if backend == "cuda" else [None]
+        mgs += built.values()
+        walks += built.keys()
     if not mgs:
         raise refused[0][1]
     best = mgs[0] if len(mgs) == 1 else fastest_simulated(mgs, costs, backend)
@@ -736,11 +736,12 @@ def amended_if_faster(tg, best: MemGraph, walk: str | None, alignment: int, cost
 
 
 def build_by_walk(tg, plan: Plan, walk: str | None, alignment: int) -> MemGraph:
-    """The MemGraph of ``plan`` built by the builder walk named ("ahead", "compact"; None: build's choice)."""
+    """The MemGraph of ``plan`` built by the builder walk named ("ahead", "apart", "compact"; None:
+    build's choice)."""
     if walk == "compact":
         return build(tg, plan, alignment=alignment, compact=True)
-    if walk == "ahead":
-        return build_walks(tg, plan, alignment=alignment)[0]
+    if walk in ("ahead", "apart"):
+        return build_walks(tg, plan, alignment=alignment)[walk]
     return build(tg, plan, alignment=alignment)
 
 
@@ -757,12 +758,20 @@ def build_cached(tg, hit: CachedPlan, alignment: int) -> MemGraph | None:
     return mg
 
 
-def keep_everything(tg, keep_all: MemGraph, gpu_budget: int, cpu_bytes: int | None, alignment: int) -> MemGraph:
-    """The MemGraph when the budget holds the unplanned peak."""
+def keep_everything(tg, keep_all: MemGraph, gpu_budget: int, cpu_bytes: int | None, alignment: int,
+                    costs=None, backend: str = "cpu") -> MemGraph:
+    """The MemGraph when the budget holds the unplanned peak: on several CUDA devices, of the
+    allocate-ahead walks (builder.build_walks "ahead" and "apart") the faster in the simulator."""
     # the paper's allocate-ahead build leaves the runtime more freedom than the compact one (on two H100s,
     # gpt1.3b simulates 174 ms against 206 ms)...
+    plan = Plan(gpu_budget=gpu_budget, cpu_budget=cpu_bytes, planner="none")
     try:
-        mg = build(tg, Plan(gpu_budget=gpu_budget, cpu_budget=cpu_bytes, planner="none"), alignment=alignment)
+        if backend == "cuda" and tg.devices > 1 and costs is not None:
+            walks = build_walks(tg, plan, alignment=alignment)
+            kept = [walks[w] for w in ("ahead", "apart") if walks[w].summary()["bytes_offloaded"] == 0]
+            mg = fastest_simulated(kept, costs, backend) if kept else walks["ahead"]
+        else:
+            mg = build(tg, plan, alignment=alignment)
     except InfeasibleBudget:
         mg = None
     keep_all.plan.gpu_budget, keep_all.plan.cpu_budget = gpu_budget, cpu_bytes
@@ -784,6 +793,11 @@ def record_prediction(mg: MemGraph, costs, device: torch.device) -> None:
     mg.stats["costs_measured_on"] = device_name(str(device))
 
 
+def _walk_suffix(mg: MemGraph) -> str:
+    """How a candidate's name shows the builder walk that made it (none for allocate-ahead)."""
+    return "/compact" if "seconds_pack" in mg.stats else "/apart" if mg.stats.get("crossing_last") else ""
+
+
 def fastest_simulated(candidates: list[MemGraph], costs, backend: str) -> MemGraph:
     """The candidate the timing simulator runs fastest. The planner's window model prices
     transfers as hidden under compute and cannot see how the builder's evictions and the
@@ -793,8 +807,7 @@ def fastest_simulated(candidates: list[MemGraph], costs, backend: str) -> MemGra
     timed = [(simulate(mg, costs, backend=backend).step_time, k, mg) for k, mg in enumerate(candidates)]
     best_time, _, best = min(timed)
     best.stats["simulated_step_s"] = best_time
-    best.stats["simulated_candidates"] = {
-        f"{mg.plan.planner}{'/compact' if 'seconds_pack' in mg.stats else ''}#{k}": t for t, k, mg in timed}
+    best.stats["simulated_candidates"] = {f"{mg.plan.planner}{_walk_suffix(mg)}#{k}": t for t, k, mg in timed}
     log.info("simulated candidates: %s; taking %s", best.stats["simulated_candidates"], best.plan.planner)
     return best
 

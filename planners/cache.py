@@ -53,7 +53,9 @@ FORMAT = "turnip.plan-cache"
 PLAN_CACHE_VERSION = 1  # bump when an entry's layout or a Plan's meaning changes
 MAX_FILE_BYTES = 64 << 20
 MAX_ENTRIES = 256
-WALKS = (None, "ahead", "compact")  # which build of the plan won: the allocate-ahead walk or the compact one
+# which build of the plan won: the allocate-ahead walk, the one reusing the bytes of transfers between
+# devices last, or the compact one (memgraph/builder.py build_walks)
+WALKS = (None, "ahead", "apart", "compact")
 PLAN_TYPES = (Plan, Recompute)
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

@@ -136,7 +136,9 @@ def test_build_walks_gives_both_walks_once_and_build_keeps_the_fewer_transfers()
     tg = chain_of_blocks(8, act_bytes=1 << 16, param_bytes=1 << 12, seed=2)
     full = build(tg, Plan(gpu_budget=UNBOUNDED, planner="none"), alignment=256, compact=True).arena_bytes
     plan = Plan(gpu_budget=int(0.7 * full))
-    ahead, packed = build_walks(tg, plan, alignment=256)
+    walks = build_walks(tg, plan, alignment=256)
+    assert list(walks) == ["ahead", "compact"]  # one device: no transfers between devices to keep apart
+    ahead, packed = walks["ahead"], walks["compact"]
     assert "seconds_pack" not in ahead.stats and "seconds_pack" in packed.stats
     assert verify(ahead) == [] and verify(packed) == []
     moved = [mg.summary()["bytes_offloaded"] for mg in (ahead, packed)]

@@ -272,7 +272,7 @@ def test_the_build_that_won_is_built_again_from_the_cache(traced, walk):
     tg, costs = traced
     candidates = driver.plan_candidates(tg, int(0.5 * tg.live_peak(alignment=64)), alignment=64, costs=costs)
     built = [(mg, w) for plan in candidates
-             for mg, w in zip(build_walks(tg, plan, alignment=64), ("ahead", "compact"))]
+             for w, mg in build_walks(tg, plan, alignment=64).items()]
     won, won_walk, _ = compile_module.build_candidates(tg, candidates, 64, costs, "cuda")
     assert won_walk in ("ahead", "compact") and won.stats["simulated_step_s"] > 0
     mg = next(mg for mg, w in built if w == walk)
