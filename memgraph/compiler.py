@@ -685,10 +685,10 @@ def home_imbalance(tg) -> int:
 
 def build_candidates(tg, candidates: list[Plan], alignment: int, costs,
                      backend: str) -> tuple[MemGraph, str | None, InfeasibleBudget | None]:
-    """The MemGraph of the plans, which walk of the builder made it ("ahead", "apart", "compact"; None
-    where build chose by itself), and the refusal of a candidate that left a device short though the
-    planner predicted it faster than every one that built (favourite_refused). On CUDA every walk of
-    each plan is built (memgraph/builder.py build_walks) and the simulator picks."""
+    """The MemGraph of the plans, which walk of the builder made it ("ahead", "compact"; None where
+    build chose by itself), and the refusal of a candidate that left a device short though the planner
+    predicted it faster than every one that built (favourite_refused). On CUDA both walks of each plan
+    are built (memgraph/builder.py build_walks) and the simulator picks."""
     mgs, walks = [], []
     refused = []  # (plan, refusal) of the candidates that left a device short
     for plan in candidates:
@@ -741,7 +741,7 @@ def build_by_walk(tg, plan: Plan, walk: str | None, alignment: int) -> MemGraph:
     if walk == "compact":
         return build(tg, plan, alignment=alignment, compact=True)
     if walk in ("ahead", "apart"):
-        return build_walks(tg, plan, alignment=alignment)[walk]
+        return build_walks(tg, plan, alignment=alignment, apart=walk == "apart")[walk]
     return build(tg, plan, alignment=alignment)
 
 
@@ -767,7 +767,7 @@ def keep_everything(tg, keep_all: MemGraph, gpu_budget: int, cpu_bytes: int | No
     plan = Plan(gpu_budget=gpu_budget, cpu_budget=cpu_bytes, planner="none")
     try:
         if backend == "cuda" and tg.devices > 1 and costs is not None:
-            walks = build_walks(tg, plan, alignment=alignment)
+            walks = build_walks(tg, plan, alignment=alignment, apart=True)
             kept = [walks[w] for w in ("ahead", "apart") if walks[w].summary()["bytes_offloaded"] == 0]
             mg = fastest_simulated(kept, costs, backend) if kept else walks["ahead"]
         else:
