@@ -161,7 +161,8 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
         found, refused, built_plans = [], [], []
         for k, plan in enumerate(plans):
             try:
-                built = list(build_walks(tg, plan, alignment=ALIGNMENT).items())
+                # as compile: the apart walk only where everything is kept (keep_everything)
+                built = list(build_walks(tg, plan, alignment=ALIGNMENT, apart=plan.planner == "none").items())
             except InfeasibleBudget as exc:  # as compile: on several devices the other candidates stand
                 log.warning("%s#%d does not build: %s", plan.planner, k, exc)
                 refused.append((plan, exc))
