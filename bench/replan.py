@@ -39,6 +39,7 @@ from ..ir.plan import Plan
 from ..ir.step_file import load_step, save_step
 from ..memgraph.builder import build_walks
 from ..memgraph.compiler import built_on_every_device, everything_kept, favourite_refused, plan_step
+from ..memgraph.keep_transfers import keep_transfers
 from ..memgraph.progress import Phases
 from ..memgraph.remake_offloaded import recompute_evicted
 from ..planners.costs import CostModel, DeviceSpec, default_costs
@@ -171,6 +172,12 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
             amended = recompute_evicted(tg, plan, built[0][1], costs)  # as compile tries on its pick
             if amended is not None:
                 built.append(("ahead+recomputed evictions", build_walks(tg, amended, alignment=ALIGNMENT)["ahead"]))
+            kept = keep_transfers(tg, plan)  # as compile tries on its pick too, in its walk
+            if kept is not None:
+                try:
+                    built += [(f"{walk}+copies kept", mg) for walk, mg in build_walks(tg, kept, alignment=ALIGNMENT).items()]
+                except InfeasibleBudget as exc:
+                    log.warning("%s#%d with its copies between devices kept does not build: %s", plan.planner, k, exc)
             for walk, mg in built:
                 sim = simulate(mg, costs, backend="cuda")
                 moved_in, moved_out = transfer_bytes(mg)

@@ -34,6 +34,7 @@ from ..trace.ranks import check_ranks, message_order, rank_slice
 from ..trace.split_loss import split_loss_head
 from ..trace.tracer import check_clipping, target_device, trace_step
 from .builder import build, build_walks
+from .keep_transfers import keep_transfers
 from .per_device import per_device_plan
 from .progress import Phases, stderr_is_terminal
 from .ranks import (
@@ -712,27 +713,32 @@ def build_candidates(tg, candidates: list[Plan], alignment: int, costs,
 
 
 def amended_if_faster(tg, best: MemGraph, walk: str | None, alignment: int, costs, backend: str) -> MemGraph:
-    """``best``, or the MemGraph of its plan amended to recompute what the builder evicted
-    (memgraph/remake_offloaded.py) when the simulator runs that one faster."""
-    amended = recompute_evicted(tg, best.plan, best, costs) if costs is not None else None
-    if amended is None:
-        return best
-    try:
-        mg = build_by_walk(tg, amended, walk, alignment)
-    except InfeasibleBudget as exc:
-        log.info("the plan amended to recompute evicted values does not build (%s)", exc)
-        return best
-    seconds = simulate(mg, costs, backend=backend).step_time
-    before = best.stats.get("simulated_step_s")
-    if before is None:
-        before = simulate(best, costs, backend=backend).step_time
-    log.info("recomputing evicted values: simulated %.3f ms against %.3f", seconds * 1e3, before * 1e3)
-    if seconds >= before:
-        return best
-    mg.stats["simulated_step_s"] = seconds
-    mg.stats["simulated_candidates"] = {**best.stats.get("simulated_candidates", {}),
-                                        f"{amended.planner}+recomputed evictions": seconds}
-    return mg
+    """``best``, or the MemGraph of its plan amended, where the simulator runs that one faster: to
+    recompute what the builder evicted (memgraph/remake_offloaded.py), then, on several devices, to
+    keep the copies between devices the plan makes again (memgraph/keep_transfers.py)."""
+    amendments = (("recomputed evictions", lambda mg: recompute_evicted(tg, mg.plan, mg, costs) if costs is not None else None),
+                  ("copies between devices kept", lambda mg: keep_transfers(tg, mg.plan)))
+    for what, amend in amendments:
+        amended = amend(best)
+        if amended is None:
+            continue
+        try:
+            mg = build_by_walk(tg, amended, walk, alignment)
+        except InfeasibleBudget as exc:
+            log.info("the plan amended (%s) does not build (%s)", what, exc)
+            continue
+        seconds = simulate(mg, costs, backend=backend).step_time
+        before = best.stats.get("simulated_step_s")
+        if before is None:
+            before = simulate(best, costs, backend=backend).step_time
+        log.info("%s: simulated %.3f ms against %.3f", what, seconds * 1e3, before * 1e3)
+        if seconds >= before:
+            continue
+        mg.stats["simulated_step_s"] = seconds
+        mg.stats["simulated_candidates"] = {**best.stats.get("simulated_candidates", {}),
+                                            f"{amended.planner}+{what}": seconds}
+        best = mg
+    return best
 
 
 def build_by_walk(tg, plan: Plan, walk: str | None, alignment: int) -> MemGraph:

@@ -12,10 +12,14 @@ from cases import bf16_autocast, make_case
 from turnip.ir.batch import BatchError
 from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import Edge, Stream
+from turnip.ir.optimizer import CompiledOptimizer
 from turnip.ir.plan import Plan
 from turnip.memgraph import compiler
-from turnip.memgraph.builder import build_walks
+from turnip.memgraph.builder import build, build_walks
+from turnip.memgraph.keep_transfers import keep_transfers
+from turnip.planners.costs import CostModel
 from turnip.trace.errors import UnsupportedFeature
+from turnip.trace.tracer import trace_step
 
 from turnip import engine, memgraph
 
@@ -559,3 +563,28 @@ def test_the_apart_walk_reuses_the_bytes_of_transfers_last_and_stays_bitwise(gpt
     apart.initial_state, apart.names, apart.device = dict(whole.initial_state), dict(whole.names), whole.device
     apart.optimizer = whole.optimizer
     assert_matches_eager(apart, gpt_case, 3)
+
+
+def test_a_plan_keeps_the_copies_between_devices_it_made_again_and_stays_bitwise(autocast_case):
+    """memgraph/keep_transfers.py: under bf16 autocast with the weights' casts travelling, a plan at
+    30% makes some received casts again for the backward (each a copy that waits for its owner);
+    amended, it keeps every first copy instead, changes nothing else, and the step is eager's."""
+    model, loss_fn, batches = autocast_case
+    mine = copy.deepcopy(model)
+    optimizer = adamw(mine.parameters())
+    tg = trace_step(mine, loss_fn, batches[0], optimizer=optimizer, device="cpu", devices=2).finished(casts_travel=True)
+    costs = CostModel(device="cpu")
+    costs.annotate(tg)
+    plan = compiler.make_plan(tg, int(0.3 * compiler.everything_kept(tg, 64)[1]), None, "greedy", costs=costs,
+                              alignment=64)
+    again = [r for r in plan.recompute if tg.transfer_source(tg.vertices[r.vertex]) is not None]
+    assert again  # the planner makes copies between devices again
+    kept = keep_transfers(tg, plan)
+    assert kept.recompute == [r for r in plan.recompute if r not in again]
+    assert (kept.order, kept.offload, kept.home, kept.gpu_budget) == (plan.order, plan.offload, plan.home, plan.gpu_budget)
+    assert keep_transfers(tg, kept) is None
+    mg = build(tg, kept, alignment=64)
+    assert memgraph.verify(mg) == []
+    mg.optimizer = CompiledOptimizer(mg, optimizer)
+    mg.initial_state, mg.names, mg.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
+    assert_matches_eager(mg, autocast_case, 2, "random", seed=4)
