@@ -263,17 +263,7 @@ class Scheduler:
         if early:
             self.unran[vid] = 1
             self.awaiting_run += 1
-        waits = g.waits_for_run
-        pending = self.pending
-        for s in g.succs[vid]:
-            if early and waits[s]:
-                continue
-            pending[s] -= 1
-            if pending[s] == 0:
-                self._make_ready(s)
-        if self.halted:
-            return []
-        return self._dispatch()
+        return self._release_successors(vid, False if early else None)
 
     def ran(self, vid: int) -> list[Launch]:
         """Unit ``vid``, reported at enqueue, has really run: release its successors that waited for
@@ -282,12 +272,18 @@ class Scheduler:
             return []
         self.unran[vid] = 0
         self.awaiting_run -= 1
+        return self._release_successors(vid, True)
+
+    def _release_successors(self, vid: int, waiting: bool | None) -> list[Launch]:
+        """Count unit ``vid`` done for its successors (None: all of them; False: those that do not wait
+        for its run; True: only those), then launch what that made ready."""
         waits, pending = self.g.waits_for_run, self.pending
         for s in self.g.succs[vid]:
-            if waits[s]:
-                pending[s] -= 1
-                if pending[s] == 0:
-                    self._make_ready(s)
+            if waiting is not None and waits[s] != waiting:
+                continue
+            pending[s] -= 1
+            if pending[s] == 0:
+                self._make_ready(s)
         if self.halted:
             return []
         return self._dispatch()
