@@ -42,7 +42,8 @@ def test_completion_mode_names_the_allowed_values():
 @pytest.mark.parametrize("torch_cuda,extra", [("13.0", r"turnip\[cuda13\]'"), ("12.8", r"turnip\[cuda12\]'"),
                                               (None, r"turnip\[cuda12\]' or 'turnip\[cuda13\]'")])
 def test_callback_without_cupy_says_which_extra_to_install(monkeypatch, torch_cuda, extra):
-    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy now fails, installed or not
+    for name in ("cupy", "cupy.cuda", "cupy.cuda.runtime"):  # importing cupy now fails, installed or
+        monkeypatch.setitem(sys.modules, name, None)          # not, imported by an earlier test or not
     monkeypatch.setattr(torch.version, "cuda", torch_cuda)
     with pytest.raises(EngineError, match=rf"needs CuPy.*{extra}.*completion='events'"):
         completion_mode("cuda", "callback")
