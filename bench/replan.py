@@ -163,7 +163,8 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
         for k, plan in enumerate(plans):
             try:
                 # as compile: the apart walk only where everything is kept (keep_everything)
-                built = list(build_walks(tg, plan, alignment=ALIGNMENT, apart=plan.planner == "none").items())
+                walks = ("ahead", "apart", "compact") if plan.planner == "none" else ("ahead", "compact")
+                built = list(build_walks(tg, plan, alignment=ALIGNMENT, walks=walks).items())
             except InfeasibleBudget as exc:  # as compile: on several devices the other candidates stand
                 log.warning("%s#%d does not build: %s", plan.planner, k, exc)
                 refused.append((plan, exc))
@@ -171,7 +172,7 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
             built_plans.append(plan)
             amended = recompute_evicted(tg, plan, built[0][1], costs)  # as compile tries on its pick
             if amended is not None:
-                built.append(("ahead+recomputed evictions", build_walks(tg, amended, alignment=ALIGNMENT)["ahead"]))
+                built.append(("ahead+recomputed evictions", build_walks(tg, amended, alignment=ALIGNMENT, walks=("ahead",))["ahead"]))
             kept = keep_transfers(tg, plan)  # as compile tries on its pick too, in its walk
             if kept is not None:
                 try:

@@ -126,26 +126,31 @@ def build(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, compact: bool 
     return mg
 
 
-def build_walks(taskgraph: TaskGraph, plan: Plan, alignment: int = 256,
-                segment_size: int | str | None = "auto", apart: bool = False) -> dict[str, MemGraph]:
-    """The plan built by each walk (see build), by name, for a caller that compares them
-    (memgraph.compile simulates them all): "ahead" (allocate-ahead); with ``apart``, on several
-    devices, "apart" (allocate-ahead reusing the bytes of transfers between devices last,
+def build_walks(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, segment_size: int | str | None = "auto",
+                walks: tuple[str, ...] = ("ahead", "compact")) -> dict[str, MemGraph]:
+    """The plan built by each walk named in ``walks`` (see build), by name, for a caller that compares
+    them (memgraph.compile simulates them all), over one schedule: "ahead" (allocate-ahead); "apart"
+    (on several devices only: allocate-ahead reusing the bytes of transfers between devices last,
     HorizonWalk's crossing_last); "compact" where that builds at the plan's budget. Raises
-    InfeasibleBudget when the allocate-ahead walk cannot build.
+    InfeasibleBudget when an allocate-ahead walk cannot build.
 
     compile asks for "apart" only where everything is kept: there it ran gpt1.3b on four devices in
     173.8 ms against 223.0 (simulated); below the peak, on two H200s at 50%, it was simulated 1% faster
     than the compact walk and ran 5% slower (bench/results/h200x2/s9, call 3)."""
+    unknown = set(walks) - {"ahead", "apart", "compact"}
+    if unknown:
+        raise ValueError(f"unknown builder walks {sorted(unknown)}: the walks are 'ahead', 'apart' and 'compact'")
     graph, order = _expanded(taskgraph, plan, alignment)
     sched = Schedule(graph, order, plan, alignment)
-    walks = {"ahead": _walk(graph, order, plan, alignment, False, segment_size, sched=sched)}
-    if apart and graph.devices > 1:
-        walks["apart"] = _walk(graph, order, plan, alignment, False, segment_size, sched=sched, crossing_last=True)
-    packed = _compact_walk(graph, order, plan, alignment, segment_size, sched)
+    built = {}
+    if "ahead" in walks:
+        built["ahead"] = _walk(graph, order, plan, alignment, False, segment_size, sched=sched)
+    if "apart" in walks and graph.devices > 1:
+        built["apart"] = _walk(graph, order, plan, alignment, False, segment_size, sched=sched, crossing_last=True)
+    packed = _compact_walk(graph, order, plan, alignment, segment_size, sched) if "compact" in walks else None
     if packed is not None:
-        walks["compact"] = packed
-    return walks
+        built["compact"] = packed
+    return built
 
 
 def rebuild_ahead(mg: MemGraph, prefetch: bool) -> MemGraph:

@@ -747,7 +747,7 @@ def build_by_walk(tg, plan: Plan, walk: str | None, alignment: int) -> MemGraph:
     if walk == "compact":
         return build(tg, plan, alignment=alignment, compact=True)
     if walk in ("ahead", "apart"):
-        return build_walks(tg, plan, alignment=alignment, apart=walk == "apart")[walk]
+        return build_walks(tg, plan, alignment=alignment, walks=(walk,))[walk]
     return build(tg, plan, alignment=alignment)
 
 
@@ -773,8 +773,8 @@ def keep_everything(tg, keep_all: MemGraph, gpu_budget: int, cpu_bytes: int | No
     plan = Plan(gpu_budget=gpu_budget, cpu_budget=cpu_bytes, planner="none")
     try:
         if backend == "cuda" and tg.devices > 1 and costs is not None:
-            walks = build_walks(tg, plan, alignment=alignment, apart=True)
-            kept = [walks[w] for w in ("ahead", "apart") if walks[w].summary()["bytes_offloaded"] == 0]
+            walks = build_walks(tg, plan, alignment=alignment, walks=("ahead", "apart"))
+            kept = [mg for mg in walks.values() if mg.summary()["bytes_offloaded"] == 0]
             mg = fastest_simulated(kept, costs, backend) if kept else walks["ahead"]
         else:
             mg = build(tg, plan, alignment=alignment)

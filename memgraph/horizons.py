@@ -92,10 +92,9 @@ class HorizonWalk:
         # device's work that follows: on four devices at eager's memory every device waited ~50 ms a
         # step so (gpt1.3b, simulated 223 ms against 174 with room for everything)
         self.crossing_settle = nsteps + 1 if crossing_last else 0
-        if crossing_last:
-            self.stats["crossing_last"] = 1
         self.crossing: set[int] = set()  # values a transfer between devices reads or writes
         if crossing_last:
+            self.stats["crossing_last"] = 1
             for vertex in tg.vertices:
                 source = tg.transfer_source(vertex)
                 if source is not None:

@@ -553,9 +553,9 @@ def test_the_apart_walk_reuses_the_bytes_of_transfers_last_and_stays_bitwise(gpt
     with room to choose; the step stays eager's, bitwise."""
     whole = compiled(gpt_case, 3)
     tg = whole.taskgraph
-    compact = build_walks(tg, Plan(gpu_budget=1 << 40, planner="none"), alignment=64)["compact"].arena_bytes
+    compact = build_walks(tg, Plan(gpu_budget=1 << 40, planner="none"), alignment=64, walks=("compact",))["compact"].arena_bytes
     walks = build_walks(tg, Plan(gpu_budget=2 * compact + tg.step_workspace(), planner="none"), alignment=64,
-                        apart=True)
+                        walks=("ahead", "apart", "compact"))
     assert list(walks) == ["ahead", "apart", "compact"]
     ahead, apart = walks["ahead"], walks["apart"]
     assert _waits_on_crossing_bytes(apart) < 0.8 * _waits_on_crossing_bytes(ahead)
