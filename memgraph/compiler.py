@@ -684,18 +684,29 @@ def home_imbalance(tg) -> int:
     return max(held) - sum(held) // tg.devices
 
 
+# the compact walk is built only for this many plans, those whose allocate-ahead walk simulates
+# fastest: over 47 replan tables (H100 exports of gpt350m, gpt1.3b and a Llama at 60/50/25/10%,
+# bench/results/h100/replan_blocks/), the fastest candidate of these was at most 1.6% slower in the
+# simulator than the fastest of both walks of every plan, and the same in 41 of them (one, 2.2%
+# slower at worst, with the compact walk of the fastest plan alone); the compact walk wins mostly
+# near the peak (gpt350m at 50-60%). A 7B LoRA step at 20% builds 6 MemGraphs instead of 8.
+COMPACT_FOR = 2
+
+
 def build_candidates(tg, candidates: list[Plan], alignment: int, costs,
                      backend: str) -> tuple[MemGraph, str | None, InfeasibleBudget | None]:
     """The MemGraph of the plans, which walk of the builder made it ("ahead", "compact"; None where
     build chose by itself), and the refusal of a candidate that left a device short though the planner
-    predicted it faster than every one that built (favourite_refused). On CUDA both walks of each plan
-    are built (memgraph/builder.py build_walks) and the simulator picks."""
+    predicted it faster than every one that built (favourite_refused). On CUDA each plan is built by
+    the allocate-ahead walk, the COMPACT_FOR of them it runs fastest in the simulator by the compact
+    walk too (memgraph/builder.py build_walks), and the simulator picks."""
     mgs, walks = [], []
     refused = []  # (plan, refusal) of the candidates that left a device short
     for plan in candidates:
         # on several devices a plan made for all of them as one may leave one device short: the others stand
         try:
-            built = build_walks(tg, plan, alignment=alignment) if backend == "cuda" else {None: build(tg, plan, alignment=alignment)}
+            built = build_walks(tg, plan, alignment=alignment, walks=("ahead",)) if backend == "cuda" else \
+                {None: build(tg, plan, alignment=alignment)}
         except InfeasibleBudget as exc:
             if tg.devices == 1 or len(candidates) == 1:
                 raise
@@ -706,6 +717,12 @@ def build_candidates(tg, candidates: list[Plan], alignment: int, costs,
         walks += built.keys()
     if not mgs:
         raise refused[0][1]
+    if backend == "cuda":
+        for mg in sorted(mgs, key=lambda mg: simulated_step(mg, costs, backend))[:COMPACT_FOR]:
+            packed = build_walks(tg, mg.plan, alignment=alignment, walks=("compact",)).get("compact")
+            if packed is not None:
+                mgs.append(packed)
+                walks.append("compact")
     best = mgs[0] if len(mgs) == 1 else fastest_simulated(mgs, costs, backend)
     walk = walks[next(k for k, mg in enumerate(mgs) if mg is best)]
     return (amended_if_faster(tg, best, walk, alignment, costs, backend), walk,
@@ -810,7 +827,7 @@ def fastest_simulated(candidates: list[MemGraph], costs, backend: str) -> MemGra
     engine's launches play out; the simulator runs the built MemGraph through the engine's own
     scheduler with host time per launch, and on the H100 came within 10% of measured steps
     where the planner's prediction was off by up to 2.4x (bench/results/h100)."""
-    timed = [(simulate(mg, costs, backend=backend).step_time, k, mg) for k, mg in enumerate(candidates)]
+    timed = [(simulated_step(mg, costs, backend), k, mg) for k, mg in enumerate(candidates)]
     best_time, _, best = min(timed)
     best.stats["simulated_step_s"] = best_time
     best.stats["simulated_candidates"] = {f"{mg.plan.planner}{_walk_suffix(mg)}#{k}": t for t, k, mg in timed}
