@@ -28,10 +28,10 @@ from .block_search import probe_patterns
 from .blocks import find_blocks
 from .costs import CostModel, default_costs
 from .decode_solution import from_solution, to_plan
-from .greedy import greedy
+from .greedy import greedy, ranked_moves
 from .memory import Decisions, Evaluation, evaluate
 from .model import Problem
-from .problem import build_problem
+from .problem import build_problem, with_headroom
 
 log = logging.getLogger(__name__)
 
@@ -128,30 +128,39 @@ def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = Non
     # 2.9% (mean 0.6%) slower than the fastest of all four, and planning them takes half the threads
     # (bench/results/h100/replan_blocks/, python -m turnip.bench.replan plan --step ... --budgets ...)
     variants = [{}, {"headroom": 1.0}]
+    check_options(method, time_limit, **opts)
+    # one problem made, the other the same but for its cap; the greedy's ranked moves, which do not
+    # depend on the cap, made once for both
+    base = make_problem(tg, gpu_budget, cpu_budget, costs, **opts)
+    problems = [base, with_headroom(base, 1.0)]
+    ranked = ranked_moves(base) if gpu_budget >= smallest_budget(tg, base.alignment) and \
+        not evaluate(base, Decisions.keep_all(base)).feasible else None
     # The problems are planned side by side: HiGHS releases the GIL while it solves, so one problem's
     # greedy search and ILP run while another's ILP does (compile time drops by about one ILP time
     # limit per extra problem on a machine with two cores).
     with ThreadPoolExecutor(max_workers=len(variants), thread_name_prefix="turnip-plan") as pool:
         futures = [pool.submit(_candidates, tg, gpu_budget, cpu_budget, method, time_limit, costs, describe,
-                               **opts, **variant) for variant in variants]
+                               problem=problem, ranked=ranked, **opts, **variant)
+                   for problem, variant in zip(problems, variants)]
         return [plan for future in futures for plan in future.result()]
 
 
 def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
                 time_limit: float | None = None, costs: CostModel | None = None, describe: Describe | None = None,
-                **opts) -> list[Plan]:
+                problem: Problem | None = None, ranked: dict | None = None, **opts) -> list[Plan]:
     """The plan run_plan returns first; when that is the ILP's and the greedy plan it started from
-    fits the model too, that one second (same problem, same greedy run)."""
+    fits the model too, that one second (same problem, same greedy run). problem: the problem of
+    these options when already made; ranked: the greedy's ranked moves of it (greedy.ranked_moves)."""
     check_options(method, time_limit, **opts)
     describe = describe or (lambda detail: None)
     started = time.perf_counter()
     costs = costs if costs is not None else default_costs(tg)
-    problem = make_problem(tg, gpu_budget, cpu_budget, costs, **opts)
+    problem = problem if problem is not None else make_problem(tg, gpu_budget, cpu_budget, costs, **opts)
     floor = smallest_budget(problem.tg, problem.alignment)
     if gpu_budget < floor:
         raise_infeasible(problem, floor)
     describe("greedy")
-    g_dec, g_ev, g_stats = greedy(problem)
+    g_dec, g_ev, g_stats = greedy(problem, ranked=ranked)
     stats = {"problem_seconds": time.perf_counter() - started, "greedy_seconds": g_stats["seconds"],
              "greedy_time": g_ev.time if g_ev.feasible else None, "method": method, "fits_model": g_ev.feasible,
              "smallest_budget": floor, "variant": {k: opts[k] for k in ("headroom", "max_chain") if k in opts}}

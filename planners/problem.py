@@ -9,6 +9,7 @@ host seconds of every launch the step and each decision add (host_per_vertex per
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -269,7 +270,7 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
     np.add.at(base_compute, window_of, times)
     base_host = _base_host(tg, pos, window_of, len(win_start), readers, host_per_vertex)
     max_ws = tg.step_workspace()
-    cap = math.floor(headroom * arena_capacity(gpu_budget, max_ws, alignment))
+    cap = planning_cap(gpu_budget, max_ws, alignment, headroom)
     problem = Problem(tg=tg, order=order, pos=pos, times=times, win_start=win_start, win_end=win_end,
                       window_of=window_of, base=base, base_compute=base_compute, base_h2d=base_h2d,
                       base_d2h=np.zeros(len(win_start)), base_host=base_host, groups=groups, items=items,
@@ -281,6 +282,21 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
     log.info("problem: %d positions, %d windows, %d groups (%d options), %d home items, cap %d bytes",
              n, len(win_start), len(groups), sum(len(g.options) for g in groups), len(items), cap)
     return problem
+
+
+def planning_cap(gpu_budget: int, step_workspace: int, alignment: int, headroom: float) -> int:
+    """Bytes the planners let values take at any position: the headroom's share of the arena the
+    budget leaves beside the step's workspace."""
+    return math.floor(headroom * arena_capacity(gpu_budget, step_workspace, alignment))
+
+
+def with_headroom(problem: Problem, headroom: float) -> Problem:
+    """The same problem with another headroom: only the cap differs, so the tables memory.py
+    derives from the problem (and keeps on it) are shared, not made again."""
+    other = copy.copy(problem)
+    other.headroom = headroom
+    other.cap = planning_cap(problem.gpu_budget, problem.max_workspace, problem.alignment, headroom)
+    return other
 
 
 def launches(host_per_vertex: float, *counts: tuple[int, int]) -> tuple[tuple[int, float], ...]:

@@ -728,3 +728,24 @@ def test_the_greedys_incremental_checks_accept_exactly_the_moves_a_full_check_wo
         updated = need_times(problem, kinds, at, read_closure(problem, [gi]))
         assert updated == need_times(problem, kinds)
         at = updated
+
+
+@pytest.mark.parametrize("frac", [0.5, 0.25, 0.1])
+def test_a_problem_with_another_headroom_plans_as_one_built_with_it(deep_gpt, frac):
+    """plan_candidates makes the whole-budget problem from the default one (problem.py's
+    with_headroom) and ranks the greedy's moves once for both: the same cap, greedy plan and ILP
+    program as a problem built with that headroom."""
+    from turnip.planners.greedy import ranked_moves
+    from turnip.planners.problem import with_headroom
+
+    tg, peak = deep_gpt
+    budget = int(frac * peak)
+    base = make_problem(tg, budget, alignment=64)
+    derived = with_headroom(base, 1.0)
+    built = make_problem(tg, budget, alignment=64, headroom=1.0)
+    assert base.headroom < 1.0 and derived.cap == built.cap > base.cap
+    dec, ev, _ = greedy(derived, ranked=ranked_moves(base))
+    own_dec, own_ev, _ = greedy(built)
+    assert (dec.groups, dec.cpu) == (own_dec.groups, own_dec.cpu)
+    assert ev.feasible and (ev.time, ev.peak) == (own_ev.time, own_ev.peak)
+    assert formulate(derived).rows == formulate(built).rows
