@@ -251,3 +251,20 @@ def test_adagrad_states_are_there_before_the_first_update_as_in_torch():
     want = make_opt(list(copy.deepcopy(model).parameters())).state_dict()
     assert want["state"]  # torch's, before any step
     assert_same_optimizer_state(mg.optimizer.state_dict(), want)
+
+
+@pytest.mark.parametrize("name", ["adamw_amsgrad", "sgd_dampening", "adadelta", "rmsprop_centered_momentum"])  # (Adagrad makes its own)
+def test_fresh_states_take_no_memory_until_they_are_written_home(name):
+    """A state torch would make on the first step is one element broadcast in the compiled step's
+    initial state (the runtime writes it into its home), while its value keeps the layout and bytes
+    of the parameter's; trained from there the step is still eager's (the cases above)."""
+    model, batches = make(1)
+    params = list(model.parameters())
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=OPTIMIZERS[name](params), device="cpu")
+    states = [v for v in mg.taskgraph.values if v.kind.value == "optimizer_state" and v.id in mg.initial_state]
+    assert states
+    for value in states:
+        initial = mg.initial_state[value.id]
+        assert initial.untyped_storage().nbytes() == initial.element_size(), value.name
+        assert value.nbytes == initial.numel() * initial.element_size() and 0 not in value.stride
+        assert tuple(initial.shape) == tuple(value.shape) and initial.dtype == value.dtype

@@ -93,14 +93,24 @@ def spec_from_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
     return OptimizerSpec(kind, groups, initial_step)
 
 
+def _filled(param: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+    """A fresh state of ``param``'s shape and dtype holding ``value`` everywhere, as one element
+    broadcast: it takes no memory until the runtime copies it into its home (AdamW's two states of
+    gpt1.3b, made with zeros_like, were 10.4 GB of host memory filled during every compile)."""
+    return torch.full((), value, dtype=param.dtype, device=param.device).expand(param.shape)
+
+
 def _zeros(param: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(param, memory_format=torch.preserve_format)
+    return _filled(param, 0.0)
 
 
-def initial_states(spec: OptimizerSpec, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The state tensors a parameter's update keeps in homes: its current torch state where it has one,
-    else as torch's first step makes them (SGD's momentum buffer: see `_sgd`). The step count and
-    HOST_STATES are kept on the host (OptimizerSpec)."""
+def initial_states(spec: OptimizerSpec, optimizer: torch.optim.Optimizer, param: torch.Tensor
+                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per state a parameter's update keeps in a home: (its initial tensor, a tensor of the layout its
+    value takes). The initial tensor is its current torch state where it has one (its own layout),
+    else as torch's first step makes it (SGD's momentum buffer: see `_sgd`), broadcast from one
+    element (_filled), with the layout torch's ``*_like(param)`` gives it, on the meta device. The step
+    count and HOST_STATES are kept on the host (OptimizerSpec)."""
     state = optimizer.state.get(param, {})
     hp = next(spec.groups[g] for g, group in enumerate(optimizer.param_groups)
               if any(p is param for p in group["params"]))
@@ -109,14 +119,13 @@ def initial_states(spec: OptimizerSpec, optimizer: torch.optim.Optimizer, param:
     if kind == "sgd":
         if hp["momentum"] == 0:
             return {}
-        fresh["momentum_buffer"] = lambda: torch.full_like(param, -0.0, memory_format=torch.preserve_format)
+        fresh["momentum_buffer"] = lambda: _filled(param, -0.0)
     elif kind in ("adam", "adamw", "nadam", "radam"):
         fresh["exp_avg"] = fresh["exp_avg_sq"] = lambda: _zeros(param)
         if hp.get("amsgrad"):
             fresh["max_exp_avg_sq"] = lambda: _zeros(param)
     elif kind == "adagrad":
-        fresh["sum"] = lambda: torch.full_like(param, hp["initial_accumulator_value"],
-                                               memory_format=torch.preserve_format)
+        fresh["sum"] = lambda: _filled(param, hp["initial_accumulator_value"])
     elif kind == "adadelta":
         fresh["square_avg"] = fresh["acc_delta"] = lambda: _zeros(param)
     elif kind == "adamax":
@@ -132,7 +141,10 @@ def initial_states(spec: OptimizerSpec, optimizer: torch.optim.Optimizer, param:
     out = {}
     for key, make in fresh.items():
         tensor = state.get(key)
-        out[key] = (tensor if tensor is not None else make()).detach()
+        if tensor is not None:
+            out[key] = (tensor.detach(), tensor)
+        else:
+            out[key] = (make().detach(), torch.empty_like(param, memory_format=torch.preserve_format, device="meta"))
     return out
 
 
@@ -426,8 +438,8 @@ def append_optimizer(tg, spec, optimizer, trainable, grads, group_of, input_vid,
         emitter = UpdateEmitter(tg, spec, module=name.rpartition(".")[0])
         pvid = input_vid[f"param:{name}"]
         state_refs = {}
-        for key, tensor in initial_states(spec, optimizer, param).items():
-            svid = tg.add_value(tensor.shape, tensor.stride(), tensor.dtype, tensor.untyped_storage().nbytes(),
+        for key, (tensor, layout) in initial_states(spec, optimizer, param).items():
+            svid = tg.add_value(layout.shape, layout.stride(), layout.dtype, layout.untyped_storage().nbytes(),
                                 ValueKind.OPTIMIZER_STATE, name=state_value_name(name, key))
             tg.initial_state[svid] = tensor
             state_refs[key] = tg.values[svid].dense_ref
