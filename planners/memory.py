@@ -163,6 +163,9 @@ def _lookup(problem: Problem) -> _Lookup:
     return lookup
 
 
+KINDS = (KEEP, OFFLOAD, RECOMPUTE)  # _Tables.kind_code indexes this
+
+
 class _Tables:
     """Each option's and item's effects as flat arrays (built once per Problem), so evaluate adds
     the chosen ones with numpy in the order a loop over groups, then items, would: every float sum
@@ -194,8 +197,8 @@ class _Tables:
                 d2h_b.append(opt.d2h[1] if opt.d2h is not None else 0)
                 for w, t in opt.host:
                     host_win.append(w), host_sec.append(t), host_of.append(k)
-        self.kind = kinds
-        self.nbytes = nbytes
+        self.kind_code = np.array([KINDS.index(kind) for kind in kinds], dtype=np.int64)
+        self.nbytes = np.array(nbytes, dtype=np.int64)
         self.seconds = np.array(seconds, dtype=np.float64)
         self.c_win, self.c_sec = np.array(c_win, dtype=np.int64), np.array(c_sec, dtype=np.float64)
         self.h2d_win, self.h2d_b = np.array(h2d_win, dtype=np.int64), np.array(h2d_b, dtype=np.float64)
@@ -220,8 +223,8 @@ class _Tables:
         self.it_h2d = _Ragged(n_items, ih_of, (ih_win, np.int64), (ih_b, np.float64))
         self.it_d2h = _Ragged(n_items, id_of, (id_win, np.int64), (id_b, np.float64))
         self.it_host = _Ragged(n_items, ihost_of, (ihost_win, np.int64), (ihost_sec, np.float64))
-        self.it_nbytes = [item.nbytes for item in problem.items]
-        self.it_state = [item.kind == "optimizer_state" for item in problem.items]
+        self.it_nbytes = np.array([item.nbytes for item in problem.items], dtype=np.int64)
+        self.it_state = np.array([item.kind == "optimizer_state" for item in problem.items], dtype=bool)
 
 
 class _Ragged:
@@ -296,15 +299,14 @@ def evaluate(problem: Problem, decisions: Decisions) -> Evaluation:
     mix = {"bytes_kept": 0, "bytes_offloaded": 0, "bytes_recomputed": 0, "bytes_weights_streamed": 0,
            "bytes_states_streamed": 0, "recompute_seconds": _in_order_sum(c_sec[recomputed]), "host_seconds": 0.0,
            "host_seconds_added": _in_order_sum(host_sec)}
-    cpu_bytes = 0.0
-    for k in chosen:
-        kind = tables.kind[k]
-        if kind == OFFLOAD:
-            cpu_bytes += tables.nbytes[k]
-        mix[{KEEP: "bytes_kept", OFFLOAD: "bytes_offloaded", RECOMPUTE: "bytes_recomputed"}[kind]] += tables.nbytes[k]
-    for ii in homed.tolist():
-        cpu_bytes += tables.it_nbytes[ii]
-        mix["bytes_states_streamed" if tables.it_state[ii] else "bytes_weights_streamed"] += tables.it_nbytes[ii]
+    # byte counts are integers, so their sums (and the float of them, below 2**53) are the same in any order
+    codes, group_bytes = tables.kind_code[sel], tables.nbytes[sel]
+    for code, key in enumerate(("bytes_kept", "bytes_offloaded", "bytes_recomputed")):
+        mix[key] = int(group_bytes[codes == code].sum())
+    item_bytes, states = tables.it_nbytes[homed], tables.it_state[homed]
+    mix["bytes_states_streamed"] = int(item_bytes[states].sum())
+    mix["bytes_weights_streamed"] = int(item_bytes[~states].sum())
+    cpu_bytes = float(mix["bytes_offloaded"] + int(item_bytes.sum()))
     profile = problem.base + np.cumsum(diff[:n])
     peak_pos = int(np.argmax(profile)) if n else 0
     peak = int(profile[peak_pos]) if n else 0
