@@ -215,3 +215,19 @@ def test_unsupported_devices_are_clear_errors_before_tracing(device, pattern):
     model = nn.Linear(4, 4)
     with pytest.raises(UnsupportedFeature, match=pattern):
         memgraph.compile(model, _mse, torch.randn(2, 4), device=device, verbose=False)
+
+
+def test_a_node_belongs_to_the_innermost_module_running_when_it_was_made():
+    """_ModuleTracker.module_at: the last span starting at or before the node (spans in node order,
+    several may start at one node: the last of them holds), "" before the first."""
+    from turnip.trace.tracer import _ModuleTracker
+
+    tracker = _ModuleTracker(torch.nn.Linear(1, 1))
+    tracker.spans = [(2, "a"), (2, "a.b"), (5, ""), (5, "c"), (9, "c.d"), (12, "c")]
+
+    def scan(index):
+        return next((name for start, name in reversed(tracker.spans) if start <= index), "")
+
+    assert [tracker.module_at(i) for i in range(15)] == [scan(i) for i in range(15)]
+    assert [tracker.module_at(i) for i in (0, 1, 2, 4, 5, 8, 9, 11, 12, 100)] == \
+        ["", "", "a.b", "a.b", "c", "c", "c.d", "c.d", "c", "c"]

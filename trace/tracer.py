@@ -14,6 +14,7 @@ output sizes only the backend knows at run time (fused RNN kernels).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -159,12 +160,10 @@ class _ModuleTracker:
             return ""
 
     def module_at(self, node_index: int) -> str:
-        path = ""
-        for start, name in self.spans:  # spans are in node order; few enough to scan
-            if start > node_index:
-                break
-            path = name
-        return path
+        # spans are in node order (the node count only grows): the last one starting at or before the
+        # node. A 7B LoRA step has thousands of spans and asks for thousands of nodes.
+        found = bisect.bisect_right(self.spans, node_index, key=lambda span: span[0])
+        return self.spans[found - 1][1] if found else ""
 
 
 _GRAD_ACCESS = (torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__)
