@@ -28,7 +28,7 @@ from .block_search import probe_patterns
 from .blocks import find_blocks
 from .costs import CostModel, default_costs
 from .decode_solution import from_solution, to_plan
-from .greedy import greedy, ranked_moves
+from .greedy import SharedRanking, greedy
 from .memory import Decisions, Evaluation, evaluate
 from .model import Problem
 from .problem import build_problem, with_headroom
@@ -133,8 +133,7 @@ def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = Non
     # depend on the cap, made once for both
     base = make_problem(tg, gpu_budget, cpu_budget, costs, **opts)
     problems = [base, with_headroom(base, 1.0)]
-    ranked = ranked_moves(base) if gpu_budget >= smallest_budget(tg, base.alignment) and \
-        not evaluate(base, Decisions.keep_all(base)).feasible else None
+    ranked = SharedRanking(base)
     # The problems are planned side by side: HiGHS releases the GIL while it solves, so one problem's
     # greedy search and ILP run while another's ILP does (compile time drops by about one ILP time
     # limit per extra problem on a machine with two cores).
@@ -147,10 +146,10 @@ def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = Non
 
 def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
                 time_limit: float | None = None, costs: CostModel | None = None, describe: Describe | None = None,
-                problem: Problem | None = None, ranked: dict | None = None, **opts) -> list[Plan]:
+                problem: Problem | None = None, ranked: SharedRanking | None = None, **opts) -> list[Plan]:
     """The plan run_plan returns first; when that is the ILP's and the greedy plan it started from
     fits the model too, that one second (same problem, same greedy run). problem: the problem of
-    these options when already made; ranked: the greedy's ranked moves of it (greedy.ranked_moves)."""
+    these options when already made; ranked: the greedy's ranked moves of it, shared (greedy.SharedRanking)."""
     check_options(method, time_limit, **opts)
     describe = describe or (lambda detail: None)
     started = time.perf_counter()

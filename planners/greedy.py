@@ -14,6 +14,7 @@ longer of its GPU time and the host's time to launch its chain.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from .memory import Decisions, Evaluation, evaluate, item_seconds, need_times, read_closure, structural_problems
@@ -142,18 +143,29 @@ def rank_moves(problem: Problem, strategy: str = "practical") -> list[Move]:
     return accepted
 
 
-def ranked_moves(problem: Problem) -> dict[str, list[Move]]:
-    """Every strategy's moves (rank_moves). They do not depend on the cap, so problems that differ
-    only in their headroom (problem.py's with_headroom) share them: on a 7B LoRA step ranking takes
-    about 2.5 s a strategy, two thirds of a greedy run."""
-    return {strategy: rank_moves(problem, strategy) for strategy in STRATEGIES}
+class SharedRanking:
+    """rank_moves of one problem, each strategy's made once, when a greedy run first asks for it, and
+    shared by the threads planning problems that differ from it only in their cap (problem.py's
+    with_headroom): the moves do not depend on the cap, and on a 7B LoRA step ranking takes about
+    2.5 s a strategy, two thirds of a greedy run."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self._lock = threading.Lock()
+        self._moves: dict[str, list[Move]] = {}
+
+    def __call__(self, strategy: str) -> list[Move]:
+        with self._lock:  # a second thread waits for the first's ranking rather than making its own
+            if strategy not in self._moves:
+                self._moves[strategy] = rank_moves(self.problem, strategy)
+            return self._moves[strategy]
 
 
-def greedy(problem: Problem, undo_budget: int = 200, ranked: dict[str, list[Move]] | None = None
+def greedy(problem: Problem, undo_budget: int = 200, ranked: SharedRanking | None = None
            ) -> tuple[Decisions, Evaluation, dict]:
     """Decisions that fit (Evaluation.feasible) when any move order finds some, else the most
     memory-saving ones found (infeasible Evaluation). Tries each strategy, keeps the fastest.
-    ranked: ranked_moves of this problem or of one differing only in its cap, when already made."""
+    ranked: the moves of this problem or of one differing only in its cap, shared."""
     started = time.perf_counter()
     base = Decisions.keep_all(problem)
     ev = evaluate(problem, base)
@@ -163,7 +175,7 @@ def greedy(problem: Problem, undo_budget: int = 200, ranked: dict[str, list[Move
         return base, ev, stats
     best = None
     for strategy in STRATEGIES:
-        moves = ranked[strategy] if ranked is not None else rank_moves(problem, strategy)
+        moves = ranked(strategy) if ranked is not None else rank_moves(problem, strategy)
         dec, e, st = _greedy_with(problem, base, moves, undo_budget)
         stats["evaluations"] += st["evaluations"]
         better = best is None or (e.feasible, -e.objective if e.feasible else -e.peak) > \

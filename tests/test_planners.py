@@ -735,7 +735,7 @@ def test_a_problem_with_another_headroom_plans_as_one_built_with_it(deep_gpt, fr
     """plan_candidates makes the whole-budget problem from the default one (problem.py's
     with_headroom) and ranks the greedy's moves once for both: the same cap, greedy plan and ILP
     program as a problem built with that headroom."""
-    from turnip.planners.greedy import ranked_moves
+    from turnip.planners.greedy import SharedRanking
     from turnip.planners.problem import with_headroom
 
     tg, peak = deep_gpt
@@ -744,7 +744,7 @@ def test_a_problem_with_another_headroom_plans_as_one_built_with_it(deep_gpt, fr
     derived = with_headroom(base, 1.0)
     built = make_problem(tg, budget, alignment=64, headroom=1.0)
     assert base.headroom < 1.0 and derived.cap == built.cap > base.cap
-    dec, ev, _ = greedy(derived, ranked=ranked_moves(base))
+    dec, ev, _ = greedy(derived, ranked=SharedRanking(base))
     own_dec, own_ev, _ = greedy(built)
     assert (dec.groups, dec.cpu) == (own_dec.groups, own_dec.cpu)
     assert ev.feasible and (ev.time, ev.peak) == (own_ev.time, own_ev.peak)
