@@ -37,7 +37,7 @@ from ..ir.costs import HostLinks
 from ..ir.errors import InfeasibleBudget
 from ..ir.plan import Plan
 from ..ir.step_file import load_step, save_step
-from ..memgraph.builder import build_walks
+from ..memgraph.builder import build_walks, prepare
 from ..memgraph.compiler import COMPACT_FOR, built_on_every_device, everything_kept, favourite_refused, plan_step
 from ..memgraph.keep_transfers import keep_transfers
 from ..memgraph.progress import Phases
@@ -160,7 +160,7 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
         """A row per walk of each plan that builds, and as compile's build_candidates the refusal of a
         plan predicted faster than those; the builder's refusal where none builds."""
         found, refused, built_plans = [], [], []
-        ahead = []  # (simulated seconds, index, plan) of each plan's allocate-ahead walk
+        ahead = []  # (simulated seconds, index, plan, its prepare()) of each plan's allocate-ahead walk
 
         def row(k: int, plan: Plan, walk: str, mg) -> dict:
             sim = simulate(mg, costs, backend="cuda")
@@ -182,7 +182,8 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
                 # as compile: the apart walk only where everything is kept (keep_everything)
                 # (the compact walk of the COMPACT_FOR plans the allocate-ahead walk runs fastest, after)
                 walks = ("ahead", "apart", "compact") if plan.planner == "none" else ("ahead",)
-                built = list(build_walks(tg, plan, alignment=ALIGNMENT, walks=walks).items())
+                ready = prepare(tg, plan, ALIGNMENT)
+                built = list(build_walks(tg, plan, alignment=ALIGNMENT, walks=walks, prepared=ready).items())
             except InfeasibleBudget as exc:  # as compile: on several devices the other candidates stand
                 log.warning("%s#%d does not build: %s", plan.planner, k, exc)
                 refused.append((plan, exc))
@@ -200,9 +201,9 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
             for walk, mg in built:
                 found.append(row(k, plan, walk, mg))
                 if walk == "ahead" and plan.planner != "none":  # (that one's compact walk is built above)
-                    ahead.append((found[-1]["simulated_s"], k, plan))
-        for _, k, plan in sorted(ahead, key=lambda a: a[:2])[:COMPACT_FOR]:  # as compile's build_candidates
-            packed = build_walks(tg, plan, alignment=ALIGNMENT, walks=("compact",)).get("compact")
+                    ahead.append((found[-1]["simulated_s"], k, plan, ready))
+        for _, k, plan, ready in sorted(ahead, key=lambda a: a[:2])[:COMPACT_FOR]:  # as compile's build_candidates
+            packed = build_walks(tg, plan, alignment=ALIGNMENT, walks=("compact",), prepared=ready).get("compact")
             if packed is not None:
                 found.append(row(k, plan, "compact", packed))
         if not found and refused:

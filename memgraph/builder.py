@@ -112,8 +112,7 @@ def build(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, compact: bool 
     a CUDA graph on CUDA); None unbounded, 1 every vertex alone; "auto" unbounded for a graph traced
     for CUDA, 1 on the CPU (where a launch costs little and single vertices let the runtime, and the
     tests' random orders, choose the most)."""
-    graph, order = _expanded(taskgraph, plan, alignment)
-    sched = Schedule(graph, order, plan, alignment)  # both walks read it, neither changes it
+    graph, order, sched = prepare(taskgraph, plan, alignment)
     mg = _walk(graph, order, plan, alignment, compact, segment_size, sched=sched)
     planned = _planned_offload(graph, plan)
     if not compact and mg.summary()["bytes_offloaded"] > planned:
@@ -126,13 +125,23 @@ def build(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, compact: bool 
     return mg
 
 
+Prepared = tuple[TaskGraph, list[int], Schedule]  # the expanded graph, its serial order, the schedule walks read
+
+
+def prepare(taskgraph: TaskGraph, plan: Plan, alignment: int = 256) -> Prepared:
+    """The plan expanded over the TaskGraph and the Schedule every walk reads (none changes it): given
+    to build_walks again, another walk of the same plan is built without expanding it again."""
+    graph, order = _expanded(taskgraph, plan, alignment)
+    return graph, order, Schedule(graph, order, plan, alignment)
+
+
 def build_walks(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, segment_size: int | str | None = "auto",
-                walks: tuple[str, ...] = ("ahead", "compact")) -> dict[str, MemGraph]:
+                walks: tuple[str, ...] = ("ahead", "compact"), prepared: Prepared | None = None) -> dict[str, MemGraph]:
     """The plan built by each walk named in ``walks`` (see build), by name, for a caller that compares
-    them (memgraph.compile simulates them all), over one schedule: "ahead" (allocate-ahead); "apart"
-    (on several devices only: allocate-ahead reusing the bytes of transfers between devices last,
-    HorizonWalk's crossing_last); "compact" where that builds at the plan's budget. Raises
-    InfeasibleBudget when an allocate-ahead walk cannot build.
+    them (memgraph.compile simulates them all), over one schedule (``prepared``, made here when not
+    given): "ahead" (allocate-ahead); "apart" (on several devices only: allocate-ahead reusing the
+    bytes of transfers between devices last, HorizonWalk's crossing_last); "compact" where that builds
+    at the plan's budget. Raises InfeasibleBudget when an allocate-ahead walk cannot build.
 
     compile asks for "apart" only where everything is kept: there it ran gpt1.3b on four devices in
     173.8 ms against 223.0 (simulated); below the peak, on two H200s at 50%, it was simulated 1% faster
@@ -140,8 +149,7 @@ def build_walks(taskgraph: TaskGraph, plan: Plan, alignment: int = 256, segment_
     unknown = set(walks) - {"ahead", "apart", "compact"}
     if unknown:
         raise ValueError(f"unknown builder walks {sorted(unknown)}: the walks are 'ahead', 'apart' and 'compact'")
-    graph, order = _expanded(taskgraph, plan, alignment)
-    sched = Schedule(graph, order, plan, alignment)
+    graph, order, sched = prepared if prepared is not None else prepare(taskgraph, plan, alignment)
     built = {}
     if "ahead" in walks:
         built["ahead"] = _walk(graph, order, plan, alignment, False, segment_size, sched=sched)

@@ -33,7 +33,7 @@ from ..trace.passes import DONATE, run_passes
 from ..trace.ranks import check_ranks, message_order, rank_slice
 from ..trace.split_loss import split_loss_head
 from ..trace.tracer import check_clipping, target_device, trace_step
-from .builder import build, build_walks
+from .builder import build, build_walks, prepare
 from .keep_transfers import keep_transfers
 from .per_device import per_device_plan
 from .progress import Phases, stderr_is_terminal
@@ -702,11 +702,16 @@ def build_candidates(tg, candidates: list[Plan], alignment: int, costs,
     walk too (memgraph/builder.py build_walks), and the simulator picks."""
     mgs, walks = [], []
     refused = []  # (plan, refusal) of the candidates that left a device short
+    prepared = {}  # id of an allocate-ahead MemGraph -> its plan expanded and scheduled, for its compact walk
     for plan in candidates:
         # on several devices a plan made for all of them as one may leave one device short: the others stand
         try:
-            built = build_walks(tg, plan, alignment=alignment, walks=("ahead",)) if backend == "cuda" else \
-                {None: build(tg, plan, alignment=alignment)}
+            if backend == "cuda":
+                ready = prepare(tg, plan, alignment)
+                built = build_walks(tg, plan, alignment=alignment, walks=("ahead",), prepared=ready)
+                prepared[id(built["ahead"])] = ready
+            else:
+                built = {None: build(tg, plan, alignment=alignment)}
         except InfeasibleBudget as exc:
             if tg.devices == 1 or len(candidates) == 1:
                 raise
@@ -719,7 +724,8 @@ def build_candidates(tg, candidates: list[Plan], alignment: int, costs,
         raise refused[0][1]
     if backend == "cuda":
         for mg in sorted(mgs, key=lambda mg: simulated_step(mg, costs, backend))[:COMPACT_FOR]:
-            packed = build_walks(tg, mg.plan, alignment=alignment, walks=("compact",)).get("compact")
+            packed = build_walks(tg, mg.plan, alignment=alignment, walks=("compact",),
+                                 prepared=prepared[id(mg)]).get("compact")
             if packed is not None:
                 mgs.append(packed)
                 walks.append("compact")
