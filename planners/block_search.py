@@ -1,15 +1,23 @@
-"""Patterns worth offering a repeated block's instances (blocks.py), found by probing a few of them.
+"""The ILP over repeated blocks (blocks.py): which whole-block plans (patterns) to offer, found by
+probing, then the tied program over them, in rounds.
 
-The greedy plan's patterns alone are often too few: at 10% of eager's peak on the H100 export of
-gpt1.3b every layer of the greedy plan streams all its weights, while the best plan the untied ILP
-found in a minute keeps the layer norms' on the GPU and recomputes the first op of each layer. A
-*probe* frees one instance (its groups' options and its items' homes) with every other column fixed
-to the best plan so far, and solves that small program to optimality (a few dozen binaries, under a
-second); its answer is that instance's best pattern given the rest, and a better plan when it beats
-the one it started from. Probes run at instances spread over the chain (the middle, then the
-quarters, ...), one after another, each from the last one's plan. On that export (headroom 1.0) the
-tied ILP over the greedy plan's patterns found a plan the planner prices at 833.4 ms; with three
-probes' patterns, 803.3 (the untied ILP's optimum is 789.6, reached in 60 s).
+A *probe* frees one instance (its groups' options and its items' homes) with every other column
+fixed to the best plan so far, and solves that small program to optimality (a few dozen binaries,
+well under a second); its answer is that instance's best pattern given the rest, and a better
+plan when it beats the one it started from. Probes run at instances spread over the chain (the
+middle, then the quarters, ...), one after another, each from the last one's plan.
+
+A *round* probes PROBES instances of each class, then solves the tied program (ilp.formulate with
+the blocks): every tied instance takes one of the patterns found so far, the rest of the step
+(the layers left untied, embedding, head, optimizer items) is free. A pattern fixes every option
+of its instance, need time included, so that program is small and HiGHS solves it to its gap in
+about a second on gpt1.3b. Its plan starts the next round. The rounds stop when a round's probes
+offer no pattern the last tied program lacked, when the tied program does not beat the plan it
+started from, or at the time limit.
+
+On the H100 export of gpt1.3b at 50% (2-core CPU): the greedy plan is priced at 278.9 ms, the
+first round's program at 253.3 (1.5 s after greedy), the second's at 250.0 (3.3 s), where the
+program tied by kind alone (need times free, the probes' patterns) held 252.3 after 10 s and 30 s.
 """
 
 from __future__ import annotations
@@ -26,16 +34,19 @@ from .model import Problem
 
 log = logging.getLogger(__name__)
 
-PROBES = 3  # instances probed per block class
+PROBES = 3  # instances probed per block class and round
 
 
 @dataclass
 class Search:
-    patterns: list[tuple[BlockClass, list[Pattern]]]  # per block class, the patterns to offer
-    decisions: Decisions  # the best plan met (the start's, or a probe's)
+    patterns: list[tuple[BlockClass, list[Pattern]]]  # per block class, the patterns the last program offered
+    decisions: Decisions  # the best plan met (the start's, a probe's or a tied program's)
     evaluation: Evaluation
     seconds: float
-    improved: bool  # a probe beat the start
+    improved: bool  # something beat the start
+    rounds: int
+    result: solver.SolveResult | None  # the last tied program's answer (None: time ran out before one)
+    program: ilp.Formulation | None  # the last tied program
 
 
 def spread(count: int) -> list[int]:
@@ -54,39 +65,78 @@ def spread(count: int) -> list[int]:
     return order
 
 
-def probe_patterns(problem: Problem, untied: ilp.Formulation, blocks: list[BlockClass], decisions: Decisions,
-                   evaluation: Evaluation, seconds: float, probes: int = PROBES, **solver_opts) -> Search:
-    """Each block class's patterns (the start's, keeping the block, and every probe's answer), and
-    the best plan met, within about `seconds` in all (but at least one probe per class). untied:
-    the problem's program without block rows (formulate(problem)), which the probes solve with all
-    but one instance fixed; it is left as it was. No probe runs from decisions that do not fit."""
+def search_blocks(problem: Problem, untied: ilp.Formulation, blocks: list[BlockClass], decisions: Decisions,
+                  evaluation: Evaluation, seconds: float, probes: int = PROBES, **solver_opts) -> Search:
+    """Rounds of probes and the tied program (module docstring) from a plan, within about `seconds`
+    in all (every class gets one probe and the program one solve, however little time is left;
+    from a plan that does not fit, the first round solves the tied program without probes, from
+    no start). untied: the problem's program without block rows (ilp.formulate(problem)), which the
+    probes solve with all but one instance fixed; it is left as it was."""
     started = time.perf_counter()
+    deadline = started + seconds
     best, best_ev, improved = decisions, evaluation, False
-    found = [set(block_patterns(block, [decisions])) for block in blocks]
-    count = sum(min(probes, len(block.instances)) for block in blocks)
-    for block, patterns in zip(blocks, found):
-        if not evaluation.feasible:
+    found = [set(block_patterns(problem, block, [(decisions, evaluation)])) for block in blocks]
+    offered: list[tuple[BlockClass, list[Pattern]]] | None = None
+    result, program, rounds = None, None, 0
+    while True:
+        rounds += 1
+        if best_ev.feasible:  # (from a plan that does not fit, every probe would be infeasible)
+            best, best_ev, probed = _probe_round(problem, untied, blocks, found, best, best_ev, deadline, probes,
+                                                 solver_opts)
+            improved |= probed
+        now = [(block, sorted(patterns)) for block, patterns in zip(blocks, found)]
+        if offered is not None and (now == offered or time.perf_counter() >= deadline):
+            break  # the same program again, or no time for it
+        offered = now
+        program = ilp.formulate(problem, offered)
+        start = ilp.start_values(problem, program, best_ev.options, best.cpu, best_ev.window_time) \
+            if best_ev.feasible else None
+        cutoff = sum(c * v for c, v in zip(program.obj, start) if c) if start is not None else None
+        result = solver.solve(program, start, time_limit=max(deadline - time.perf_counter(), 0.1), cutoff=cutoff,
+                              **solver_opts)
+        tied_better = False
+        if result.values is not None:
+            dec = from_solution(problem, program, result.values)
+            ev = evaluate(problem, dec)
+            if not ev.feasible:
+                log.warning("tied program's solution fails the exact check (%s)", ev.reason)
+            elif not best_ev.feasible or ev.objective < best_ev.objective:
+                best, best_ev, improved, tied_better = dec, ev, True, True
+        log.info("block search round %d: %s; the tied program %s, best plan %.3f ms (%.1f s)", rounds,
+                 ", ".join(f"{len(p)} patterns of {b.path!r}" for b, p in offered), result.status,
+                 best_ev.time * 1e3, time.perf_counter() - started)
+        if not tied_better or time.perf_counter() >= deadline:
             break
+    return Search(offered, best, best_ev, time.perf_counter() - started, improved, rounds, result, program)
+
+
+def _probe_round(problem: Problem, untied: ilp.Formulation, blocks: list[BlockClass], found: list[set[Pattern]],
+                 best: Decisions, best_ev: Evaluation, deadline: float, probes: int, solver_opts: dict
+                 ) -> tuple[Decisions, Evaluation, bool]:
+    """Probe `probes` instances of each class from the best plan, adding each answer's pattern to
+    the class's; the best plan met, and whether a probe beat the one it started from."""
+    improved = False
+    count = sum(min(probes, len(block.instances)) for block in blocks)
+    probe_opts = {k: v for k, v in solver_opts.items() if k != "gap"}
+    for block, patterns in zip(blocks, found):
         for k, index in enumerate(spread(len(block.instances))[:probes]):
-            left = seconds - (time.perf_counter() - started)
+            left = deadline - time.perf_counter()
             if left <= 0 and k > 0:  # every class gets one probe, however little time is left
                 break
             instance = block.instances[index]
             values = _solve_one_free(problem, untied, best, best_ev, instance.groups, instance.items,
-                                     max(left, 0.0) / max(1, count), solver_opts)
+                                     max(left, 0.0) / max(1, count), probe_opts)
             count -= 1
             if values is None:
                 continue
             dec = from_solution(problem, untied, values)
             ev = evaluate(problem, dec)
-            patterns.add(block.pattern(instance, dec))
+            pattern = block.pattern(problem, instance, ev.options, dec.cpu)
+            if pattern is not None:
+                patterns.add(pattern)
             if ev.feasible and ev.objective < best_ev.objective:
                 best, best_ev, improved = dec, ev, True
-    spent = time.perf_counter() - started
-    log.info("block probes: %s in %.1f s%s", ", ".join(f"{len(p)} patterns of {b.path!r}" for b, p in zip(blocks, found)),
-             spent, f", a plan predicted at {best_ev.time * 1e3:.3f} ms" if improved else "")
-    return Search([(block, sorted(patterns)) for block, patterns in zip(blocks, found)], best, best_ev, spent,
-                  improved)
+    return best, best_ev, improved
 
 
 def _solve_one_free(problem: Problem, f: ilp.Formulation, dec: Decisions, ev: Evaluation, groups, items,

@@ -6,11 +6,13 @@ whose forward vertices match (module path below the instance, op on the same sha
 and dtypes, in order) form a block class: a transformer's layers, once each. Rockmate and Hiremate
 (zhao-thesis-rockmate-hiremate-offmate.txt) plan such a chain block by block; here a block class
 restricts the ILP instead (ilp.py, ``_block_rows``): each tied instance takes one of a few
-*patterns* (a decision per group and a home per item, the same relative to every instance), so
-the solver chooses among whole-block plans instead of every group's options one by one. That
-space is far smaller: on the H100 export of gpt1.3b at 50% (22 of 24 layers tied, 6 patterns) the
-ILP beat the greedy plan in 10 s (simulated 205.0 ms against 228.0), where the untied ILP found
-nothing better than greedy's in the same 10 s.
+*patterns*, whole-block plans: an option per group (its kind, and which of the group's options of
+that kind, by need time: the same relative to every instance) and a home per item, so the solver
+chooses among whole-block plans instead of every group's options one by one. block_search.py
+finds the patterns worth offering. A pattern fixes every option of the instance, need time
+included, so the program over patterns is small: on the H100 export of gpt1.3b at 50% it solves
+to optimality in about a second (tied by kind only, with need times left free, the same program
+ran past 10 s).
 
 An instance whose layout differs from its class's most common one (which of its vertices have a
 group in the Problem, which kinds each group may take, which home items it owns) is left untied:
@@ -25,13 +27,34 @@ from dataclasses import dataclass
 
 from ..ir.taskgraph import TaskGraph
 from .costs import signature
-from .memory import Decisions
-from .model import KEEP, Problem
+from .memory import Decisions, Evaluation
+from .model import KEEP, Group, Problem
 
 # a module list's element: everything up to the first component that is a number
 _ELEMENT = re.compile(r"^((?:[^.]+\.)*?[^.]+)\.(\d+)(?=\.|$)")
 
-Pattern = tuple[tuple[str, ...], tuple[bool, ...]]  # (a kind per group of the block, CPU home per item)
+# an option of a group, relative to its instance: its kind and its rank among the group's options
+# of that kind, counted from the last (they are made in order of need time, and the last is the
+# first use after the gap, which every instance has; an instance at the chain's end may have
+# fewer earlier ones)
+Choice = tuple[str, int]
+Pattern = tuple[tuple[Choice, ...], tuple[bool, ...]]  # (a choice per group of the block, CPU home per item)
+
+
+def choices(group: Group) -> dict[Choice, int]:
+    """The group's options by their choice."""
+    ranks: Counter = Counter()
+    out = {}
+    for oi in reversed(range(len(group.options))):
+        kind = group.options[oi].kind
+        out[kind, ranks[kind]] = oi
+        ranks[kind] += 1
+    return out
+
+
+def choice_of(group: Group, option: int) -> Choice:
+    kind = group.options[option].kind
+    return kind, sum(1 for o in group.options[option + 1:] if o.kind == kind)
 
 
 @dataclass(frozen=True)
@@ -46,9 +69,13 @@ class BlockClass:
     path: str  # the module list, e.g. "blocks" or "model.layers"
     instances: tuple[BlockInstance, ...]  # the tied ones (at least two), in program order
 
-    def pattern(self, instance: BlockInstance, decisions: Decisions) -> Pattern:
-        """What the decisions do in one instance, relative to the block."""
-        return tuple(decisions.groups[g] for g in instance.groups), tuple(decisions.cpu[i] for i in instance.items)
+    def pattern(self, problem: Problem, instance: BlockInstance, options: list[int], cpu: list[bool]) -> Pattern | None:
+        """What a plan (an option per group, evaluate's, and a home per item) does in one instance,
+        relative to the block; None where a group of it has no option (a plan that does not fit)."""
+        if any(options[g] < 0 for g in instance.groups):
+            return None
+        return (tuple(choice_of(problem.groups[g], options[g]) for g in instance.groups),
+                tuple(cpu[i] for i in instance.items))
 
 
 def element_of(module: str) -> tuple[str, int] | None:
@@ -115,12 +142,14 @@ def find_blocks(problem: Problem) -> list[BlockClass]:
     return blocks
 
 
-def block_patterns(block: BlockClass, decisions: list[Decisions]) -> list[Pattern]:
-    """The patterns a tied instance may take: every instance's under each of the given decisions
-    (the greedy plan's), and keeping the whole block on the GPU; sorted, so one set of decisions
-    always gives the same program."""
+def block_patterns(problem: Problem, block: BlockClass, plans: list[tuple[Decisions, Evaluation]]) -> list[Pattern]:
+    """The patterns a tied instance may take: every instance's in each of the given plans (the
+    greedy plan's), and keeping the whole block on the GPU; sorted, so one set of plans always
+    gives the same program."""
     first = block.instances[0]
-    patterns = {((KEEP,) * len(first.groups), (False,) * len(first.items))}
-    for dec in decisions:
-        patterns.update(block.pattern(instance, dec) for instance in block.instances)
+    patterns = {(((KEEP, 0),) * len(first.groups), (False,) * len(first.items))}
+    for decisions, evaluation in plans:
+        patterns.update(block.pattern(problem, instance, evaluation.options, decisions.cpu)
+                        for instance in block.instances)
+    patterns.discard(None)
     return sorted(patterns)

@@ -1,12 +1,12 @@
-"""plan(): costs -> Problem -> greedy (baseline, warm start, cutoff) -> block probes -> ILP with
-repeated blocks tied -> the better plan -> Plan.
+"""plan(): costs -> Problem -> greedy (baseline, warm start, cutoff) -> ILP (with repeated blocks:
+rounds of block probes and the program over whole-block patterns) -> the better plan -> Plan.
 
 The ILP runs under a time limit scaled to its size (``ilp_time_limit``: SECONDS_PER_BINARY per
 binary variable, at least TIME_LIMIT_FLOOR, at most TIME_LIMIT_CAP seconds) unless the caller
-gives one; the block probes (block_search.py) take at most PROBE_SHARE of it before. It starts
-from the greedy plan, or the probes' better one, and prunes whatever cannot beat it (that plan's
-objective is its cutoff), so it always has a plan in hand; when it stops at the limit without
-beating greedy's, the greedy plan is returned.
+gives one; with repeated blocks (block_search.py) the limit covers all its rounds, which usually
+end well before it. It starts from the greedy plan and prunes whatever cannot beat it (that
+plan's objective is its cutoff), so it always has a plan in hand; when it stops without beating
+greedy's, the greedy plan is returned.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..ir.plan import Plan
 from ..ir.sizes import aligned
 from ..ir.taskgraph import TaskGraph
 from . import ilp, solver
-from .block_search import probe_patterns
+from .block_search import search_blocks
 from .blocks import find_blocks
 from .costs import CostModel, default_costs
 from .decode_solution import from_solution, to_plan
@@ -56,13 +56,6 @@ SECONDS_PER_BINARY = 5e-4
 SECONDS_PER_BINARY_MEASURED = 1.5e-2
 TIME_LIMIT_FLOOR = 1.0
 TIME_LIMIT_CAP = 10.0
-# seconds the block probes may take (block_search.py), as a share of the ILP's time limit, which the
-# tied program then gets whole: each probe takes well under a second on the H100 exports of gpt1.3b,
-# gpt350m and a Llama (22-24 layers). Taken from the limit instead, the tied program at 50% of
-# gpt1.3b had 6 s and settled on a plan the planner prices at 275.8 ms, against 262.3 in 10 s.
-PROBE_SHARE = 0.4
-
-
 def ilp_time_limit(n_binaries: int, measured: bool = False) -> float:
     """Seconds the ILP may run by default: SECONDS_PER_BINARY (SECONDS_PER_BINARY_MEASURED when the
     op costs were measured on the target GPU) per binary, between the floor and the cap."""
@@ -179,37 +172,36 @@ def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, m
              if source == "auto" else "given", f.n_binaries,
              f"to beat: the greedy plan's {g_ev.time * 1e3:.3f} ms" if g_ev.feasible else "no greedy plan fits")
     describe(f"ILP, up to {limit:.3g} s")
-    # Repeated blocks: probe a few instances for patterns (block_search.py, on the untied program),
-    # then tie every instance to one of them; the probes' best plan, when better than greedy's, is
-    # the ILP's start
+    # Repeated blocks: rounds of probes for whole-block plans and the program over them
+    # (block_search.py) are the ILP; without blocks, the program over every group's options
     found = find_blocks(problem) if opts.get("tie_blocks", True) else []
-    search = probe_patterns(problem, f, found, g_dec, g_ev, limit * PROBE_SHARE,
-                            **{k: v for k, v in solver_opts.items() if k != "gap"}) if found else None
-    blocks = search.patterns if search else []
-    s_dec, s_ev = (search.decisions, search.evaluation) if search else (g_dec, g_ev)
-    ilp.tie_blocks(problem, f, blocks)
-    start = ilp.start_values(problem, f, s_ev.options, s_dec.cpu, s_ev.window_time) if s_ev.feasible else None
-    # what the ILP must beat: its warm start (the greedy plan, or the probes' better one) as it prices it
-    cutoff = sum(c * v for c, v in zip(f.obj, start) if c) if start is not None else None
-    spent = search.seconds if search else 0.0
-    result = solver.solve(f, start, time_limit=limit, cutoff=cutoff, **solver_opts)
-    seconds = spent + result.seconds
+    dec, ev, blocks, search = None, None, [], None
+    if found:
+        search = search_blocks(problem, f, found, g_dec, g_ev, limit, **solver_opts)
+        result, program, blocks = search.result, search.program, search.patterns
+        if search.improved:
+            dec, ev = search.decisions, search.evaluation
+        seconds = search.seconds
+    else:
+        program = f
+        start = ilp.start_values(problem, f, g_ev.options, g_dec.cpu, g_ev.window_time) if g_ev.feasible else None
+        # what the ILP must beat: its warm start, the greedy plan, as it prices it
+        cutoff = sum(c * v for c, v in zip(f.obj, start) if c) if start is not None else None
+        result = solver.solve(f, start, time_limit=limit, cutoff=cutoff, **solver_opts)
+        seconds = result.seconds
+        if result.values is not None:
+            dec = from_solution(problem, f, result.values)
+            ev = evaluate(problem, dec)
+            if not ev.feasible:
+                log.warning("ILP solution fails the exact check (%s)", ev.reason)
+                stats["rejected"] = f"ilp solution rejected: {ev.reason}"
+                dec, ev = None, None
     stats.update({"solver": result.solver, "status": result.status, "optimal": result.optimal,
                   "gap": result.gap, "objective_ms": result.objective, "bound_ms": result.bound,
                   "solve_seconds": seconds, "ilp_build_seconds": result.stats.get("build_seconds"),
-                  "columns": len(f.names), "binaries": f.n_binaries, "rows": len(f.rows),
-                  "tied_instances": len(f.ties), "block_patterns": sum(len(p) for _, p in blocks),
-                  "probe_seconds": spent, "time_limit": limit, "time_limit_source": source, "cutoff_ms": cutoff})
-    dec, ev = None, None
-    if result.values is not None:
-        dec = from_solution(problem, f, result.values)
-        ev = evaluate(problem, dec)
-        if not ev.feasible:
-            log.warning("ILP solution fails the exact check (%s)", ev.reason)
-            stats["rejected"] = f"ilp solution rejected: {ev.reason}"
-            dec, ev = None, None
-    if dec is None and search is not None and search.improved:
-        dec, ev = s_dec, s_ev  # the tied program stopped first, but the probes beat greedy's plan
+                  "columns": len(program.names), "binaries": program.n_binaries, "rows": len(program.rows),
+                  "tied_instances": len(program.ties), "block_patterns": sum(len(p) for _, p in blocks),
+                  "block_rounds": search.rounds if search else 0, "time_limit": limit, "time_limit_source": source})
     if dec is None:
         why = ("no plan better than greedy's" if result.status == solver.DEADLINE_PASSED or result.values is not None
                else f"no solution ({result.status})")

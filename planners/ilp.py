@@ -13,7 +13,7 @@ Constraints
   a recomputation at position c needs every group it reads present at c (need-time chains), and
   a group's need time is exactly the earliest demand (so the ILP and memory.evaluate agree);
   a recomputation may not read a CPU-homed weight outside the windows it is streamed in;
-  a tied block instance takes one pattern, and its groups' kinds and items' homes are the pattern's.
+  a tied block instance takes one pattern, and its groups' options and items' homes are the pattern's.
 Objective
   sum of T[k] (recompute time lands in the windows' compute, launches in their host time), plus
   memory.TIE_BREAK times the seconds of every transfer, recomputation and launch, so equal-time
@@ -22,9 +22,8 @@ Objective
 Each family of constraints is one function below (window times, host times, memory, pinned
 bytes, need times), called in that order by ``formulate``.
 
-The formulation is plain arrays (``Formulation``); ``solve`` hands it to PuLP (HiGHS via highspy
-when available, else CBC) with the greedy plan as a warm start; decode.py turns a solution
-back into Decisions and a Plan.
+The formulation is plain arrays (``Formulation``); solver.py hands it to HiGHS with the greedy
+plan as a warm start; decode_solution.py turns a solution back into Decisions and a Plan.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .blocks import BlockClass, BlockInstance, Pattern
+from .blocks import BlockClass, BlockInstance, Pattern, choice_of, choices
 from .memory import TIE_BREAK, item_seconds, option_seconds
 from .model import KEEP, OFFLOAD, RECOMPUTE, Problem
 
@@ -281,19 +280,23 @@ def _need_time_rows(problem: Problem, f: Formulation) -> None:
 
 
 def _block_rows(problem: Problem, f: Formulation, block: BlockClass, patterns: list[Pattern]) -> None:
-    """Each tied instance takes one pattern: the options of each kind its groups take sum to the
-    patterns giving them that kind, and an item is homed on the CPU as its pattern says. A pattern
-    one instance cannot take (a kind its group lacks) is thereby closed to it."""
+    """Each tied instance takes one pattern: each option of its groups is taken exactly when the
+    instance's pattern picks it, and an item is homed on the CPU as its pattern says. A pattern
+    one instance cannot take (a group without the option it picks) is closed to it (its column
+    bounded to 0), so every instance has the same columns."""
     for instance in block.instances:
         z = [f.col(f"z_{block.path}_{instance.index}_{k}", 0, 1, True) for k in range(len(patterns))]
         f.ties.append((instance, patterns, z))
         f.row(f"pattern_{block.path}_{instance.index}", {c: 1.0 for c in z}, 1.0, 1.0)
+        offered = [choices(problem.groups[gi]) for gi in instance.groups]
+        for k, (picks, _) in enumerate(patterns):
+            if any(pick not in offered[j] for j, pick in enumerate(picks)):
+                f.ub[z[k]] = 0
         for j, gi in enumerate(instance.groups):
-            for kind in (KEEP, OFFLOAD, RECOMPUTE):
-                coefs = {f.x[gi, oi]: 1.0 for oi, opt in enumerate(problem.groups[gi].options) if opt.kind == kind}
-                if coefs:
-                    coefs.update({z[k]: -1.0 for k, (kinds, _) in enumerate(patterns) if kinds[j] == kind})
-                    f.row(f"tie_{gi}_{kind}", coefs, 0.0, 0.0)
+            for choice, oi in offered[j].items():
+                coefs = {f.x[gi, oi]: 1.0}
+                coefs.update({z[k]: -1.0 for k, (picks, _) in enumerate(patterns) if picks[j] == choice})
+                f.row(f"tie_{gi}_{oi}", coefs, 0.0, 0.0)
         for j, ii in enumerate(instance.items):
             coefs = {f.y[ii]: 1.0}
             coefs.update({z[k]: -1.0 for k, (_, homes) in enumerate(patterns) if homes[j]})
@@ -309,10 +312,11 @@ def start_values(problem: Problem, f: Formulation, options: list[int], cpu: list
     for ii, flag in enumerate(cpu):
         vals[f.y[ii]] = 1.0 if flag else 0.0
     for instance, patterns, z in f.ties:
-        taken = (tuple(problem.groups[g].options[options[g]].kind for g in instance.groups),
-                 tuple(bool(cpu[i]) for i in instance.items))
-        if taken in patterns:
-            vals[z[patterns.index(taken)]] = 1.0
+        if all(options[g] >= 0 for g in instance.groups):
+            taken = (tuple(choice_of(problem.groups[g], options[g]) for g in instance.groups),
+                     tuple(bool(cpu[i]) for i in instance.items))
+            if taken in patterns:
+                vals[z[patterns.index(taken)]] = 1.0
     for k, t in enumerate(f.T):
         vals[t] = float(window_time[k]) / f.time_unit
     running = 0.0

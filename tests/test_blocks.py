@@ -100,18 +100,40 @@ def _satisfied(f: ilp.Formulation, values: list[float], tol: float = 1e-6) -> li
     return broken
 
 
+def test_a_choice_names_an_option_by_kind_and_rank_from_the_first_use_after_the_gap(gpt_problem):
+    """Rank 0 of a kind is its last option (need time: the first use after the gap, which every
+    instance has), so a pattern read off one layer means the same options in another."""
+    from turnip.planners.blocks import choice_of, choices
+
+    problem = gpt_problem
+    (block,) = find_blocks(problem)
+    for inst in block.instances:
+        for gi in inst.groups:
+            group = problem.groups[gi]
+            by_choice = choices(group)
+            assert sorted(by_choice.values()) == list(range(len(group.options)))
+            for oi in range(len(group.options)):
+                assert by_choice[choice_of(group, oi)] == oi
+            for kind in {o.kind for o in group.options}:
+                last = max(oi for oi, o in enumerate(group.options) if o.kind == kind)
+                assert by_choice[kind, 0] == last
+            for kind in ("offload", "recompute"):  # rank 0: the need time of the first use after the gap
+                if group.option(kind, group.n0) is not None:
+                    assert by_choice[kind, 0] == group.option(kind, group.n0)
+
+
 def test_the_greedy_plan_is_a_feasible_start_of_the_tied_program(gpt_problem):
     problem = gpt_problem
     dec, ev, _ = greedy(problem)
     assert ev.feasible
-    blocks = [(b, block_patterns(b, [dec])) for b in find_blocks(problem)]
+    blocks = [(b, block_patterns(problem, b, [(dec, ev)])) for b in find_blocks(problem)]
     f = ilp.formulate(problem, blocks)
     assert f.ties and len(f.ties) == sum(len(b.instances) for b, _ in blocks)
     start = ilp.start_values(problem, f, ev.options, dec.cpu, ev.window_time)
     assert _satisfied(f, start) == []
     for _, patterns, z in f.ties:
         assert sum(start[c] for c in z) == 1.0
-        assert ((KEEP,) * len(patterns[0][0]), (False,) * len(patterns[0][1])) in patterns
+        assert (((KEEP, 0),) * len(patterns[0][0]), (False,) * len(patterns[0][1])) in patterns
 
 
 def test_a_pattern_left_out_cannot_be_taken(gpt_problem):
@@ -119,16 +141,17 @@ def test_a_pattern_left_out_cannot_be_taken(gpt_problem):
     only keeping whole layers, which does not fit 40% of the peak, the program has no solution, where
     the untied one has."""
     problem = gpt_problem
-    dec, _, _ = greedy(problem)
+    dec, ev, _ = greedy(problem)
     (block,) = find_blocks(problem)
-    only = [block.pattern(block.instances[0], dec)]
+    only = [block.pattern(problem, block.instances[0], ev.options, dec.cpu)]
     f = ilp.formulate(problem, [(block, only)])
     result = solver.solve(f, None, time_limit=30)
     assert result.values is not None
     tied = from_solution(problem, f, result.values)
-    assert all(block.pattern(inst, tied) == only[0] for inst in block.instances)
-    keep_only = block_patterns(block, [])
-    assert keep_only == [((KEEP,) * len(block.instances[0].groups), (False,) * len(block.instances[0].items))]
+    tied_ev = evaluate(problem, tied)
+    assert all(block.pattern(problem, inst, tied_ev.options, tied.cpu) == only[0] for inst in block.instances)
+    keep_only = block_patterns(problem, block, [])
+    assert keep_only == [(((KEEP, 0),) * len(block.instances[0].groups), (False,) * len(block.instances[0].items))]
     assert solver.solve(ilp.formulate(problem, [(block, keep_only)]), None, time_limit=30).values is None
     assert solver.solve(ilp.formulate(problem), None, time_limit=30).values is not None
 
@@ -136,25 +159,26 @@ def test_a_pattern_left_out_cannot_be_taken(gpt_problem):
 def test_the_tied_ilp_is_never_worse_than_greedy_and_follows_its_patterns(gpt_problem):
     problem = gpt_problem
     dec, ev, _ = greedy(problem)
-    blocks = [(b, block_patterns(b, [dec])) for b in find_blocks(problem)]
+    blocks = [(b, block_patterns(problem, b, [(dec, ev)])) for b in find_blocks(problem)]
     f = ilp.formulate(problem, blocks)
     start = ilp.start_values(problem, f, ev.options, dec.cpu, ev.window_time)
     cutoff = sum(c * v for c, v in zip(f.obj, start) if c)
     result = solver.solve(f, start, time_limit=30, cutoff=cutoff)
     assert result.values is not None
     tied = from_solution(problem, f, result.values)
-    assert evaluate(problem, tied).objective <= ev.objective * (1 + 1e-9)
+    tied_ev = evaluate(problem, tied)
+    assert tied_ev.objective <= ev.objective * (1 + 1e-9)
     for block, patterns in blocks:
-        for inst in block.instances:
-            assert block.pattern(inst, tied) in patterns
+        for inst in block.instances:  # need times included: the option of every group is the pattern's
+            assert block.pattern(problem, inst, tied_ev.options, tied.cpu) in patterns
 
 
 def test_tie_blocks_false_plans_without_ties(gpt_problem):
     tg, budget = gpt_problem.tg, gpt_problem.gpu_budget
     tied = driver.run_plan(tg, budget, alignment=64, method="ilp", time_limit=5)
     free = driver.run_plan(tg, budget, alignment=64, method="ilp", time_limit=5, tie_blocks=False)
-    assert tied.stats["tied_instances"] > 0 and tied.stats["block_patterns"] > 0
-    assert free.stats["tied_instances"] == 0
+    assert tied.stats["tied_instances"] > 0 and tied.stats["block_patterns"] > 0 and tied.stats["block_rounds"] >= 1
+    assert free.stats["tied_instances"] == 0 and free.stats["block_rounds"] == 0
     with pytest.raises(TypeError, match="unknown planner options: tie_block"):
         driver.run_plan(tg, budget, alignment=64, tie_block=True)
 
@@ -184,12 +208,41 @@ def test_a_probe_changes_only_the_instance_it_frees_and_the_search_keeps_greedys
         [dec.cpu[i] for i in range(len(problem.items)) if i not in instance.items]
     assert evaluate(problem, probed).objective <= ev.objective * (1 + 1e-9)
     bounds = (list(f.lb), list(f.ub), len(f.names), len(f.rows))
-    search = block_search.probe_patterns(problem, f, [block], dec, ev, seconds=30)
+    search = block_search.search_blocks(problem, f, [block], dec, ev, seconds=30)
     assert (f.lb, f.ub, len(f.names), len(f.rows)) == bounds  # the untied program is left as it was
     ((_, patterns),) = search.patterns
-    assert set(block_patterns(block, [dec])) <= set(patterns)
+    assert set(block_patterns(problem, block, [(dec, ev)])) <= set(patterns)
     assert search.evaluation.objective <= ev.objective * (1 + 1e-9)
     assert search.improved == (search.evaluation.objective < ev.objective)
+    assert search.rounds >= 1 and search.program.ties and search.result is not None
+    found = evaluate(problem, search.decisions)
+    for inst in block.instances:  # the plan found takes one of the patterns the last program offered
+        assert block.pattern(problem, inst, found.options, search.decisions.cpu) in patterns or not search.improved
+
+
+def test_the_rounds_stop_when_the_tied_program_no_longer_improves(gpt_problem, monkeypatch):
+    """Each round's tied program starts from the best plan so far; the search stops at the first
+    round whose program does not beat it (or whose probes offer nothing new), well before its time."""
+    from turnip.planners import block_search
+
+    problem = gpt_problem
+    dec, ev, _ = greedy(problem)
+    blocks = find_blocks(problem)
+    objectives = []
+    real = solver.solve
+
+    def spy(f, start=None, **kwargs):
+        result = real(f, start, **kwargs)
+        if f.ties:
+            objectives.append((sum(c * v for c, v in zip(f.obj, start) if c), result.objective))
+        return result
+
+    monkeypatch.setattr(block_search.solver, "solve", spy)
+    search = block_search.search_blocks(problem, ilp.formulate(problem), blocks, dec, ev, seconds=60)
+    assert len(objectives) == search.rounds or len(objectives) == search.rounds - 1
+    for (start, _), (_, before) in zip(objectives[1:], objectives):
+        assert start <= before * (1 + 1e-6)  # a round starts where the last one ended, or from a probe's better plan
+    assert search.seconds < 60
 
 
 def test_the_greedy_time_bench_times_both_checks_and_restores_the_incremental_one(gpt_problem):

@@ -96,8 +96,9 @@ def test_the_ilp_is_given_the_greedy_plan_as_start_and_cutoff(small_gpt, monkeyp
 
 
 def test_with_blocks_tied_the_ilp_starts_from_the_better_of_greedy_and_the_probes(small_gpt, monkeypatch):
-    """The last solve is the tied program's: its start is priced at its cutoff, no higher than the
-    greedy plan's, and it gets the whole time limit, the probes a share of it before."""
+    """With blocks the ILP is rounds of probes and tied programs (block_search.py): the last tied
+    program's start is priced at its cutoff, no higher than the greedy plan's, and it gets what
+    the rounds before it left of the time limit."""
     tg, budget = small_gpt
     calls = []
     real = solver_mod.solve
@@ -109,14 +110,14 @@ def test_with_blocks_tied_the_ilp_starts_from_the_better_of_greedy_and_the_probe
     monkeypatch.setattr(solver_mod, "solve", spy)
     plan = run_plan(tg, budget, alignment=64)
     greedy_plan = run_plan(tg, budget, alignment=64, method="greedy")
-    last = calls[-1]
-    assert last["f"].ties, "the last program solved is the tied one"
-    assert len(calls) > 1, "block probes ran before it"
+    tied = [call for call in calls if call["f"].ties]
+    assert tied, "a tied program was solved"
+    last = tied[-1]
+    assert calls.index(last) > 0, "block probes ran before it"
     assert last["cutoff"] == pytest.approx(sum(c * v for c, v in zip(last["f"].obj, last["start"])))
     assert last["cutoff"] <= greedy_plan.stats["objective"] / last["f"].time_unit * (1 + 1e-9)
-    assert last["time_limit"] == plan.stats["time_limit"]
-    # the first probe runs whatever time is left; a loaded machine may take seconds to build it
-    assert 0 < plan.stats["probe_seconds"] <= driver.PROBE_SHARE * plan.stats["time_limit"] + 5.0
+    assert last["time_limit"] <= plan.stats["time_limit"]  # what the rounds before it left
+    assert plan.stats["block_rounds"] >= 1
     assert plan.predicted_time <= greedy_plan.predicted_time
 
 
