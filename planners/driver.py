@@ -47,15 +47,23 @@ _ILP_OPTS = ("tie_blocks",)  # False: the ILP over every group's options, repeat
 # one time_limit= away.
 SECONDS_PER_BINARY = 5e-4
 # With op costs measured on the GPU the plan is for real steps, run thousands of times, so the ILP
-# gets longer, up to the cap. The cap was 60 s while the ILP chose every group's option alone: on
-# the H100 export of gpt1.3b at 50% (3,918 binaries) HiGHS needed about 29 s of one core to find the
-# plan that simulates at 201 ms. With repeated blocks tied (blocks.py) it finds one of 199.3 ms in
-# 10 s (bench/results/h100/replan_blocks/final_gpt1.3b_0.5.json; `python -m turnip.bench.replan plan
-# --step bench/results/h100/steps/step_gpt1.3b.step --budgets 0.5 --planner-option time_limit=10`),
-# and compile no longer waits a minute per budget.
+# gets longer, up to the cap. The cap was 60 s while the ILP chose every group's option alone (on
+# the H100 export of gpt1.3b at 50%, 3,918 binaries, HiGHS needed about 29 s of one core to find
+# the plan that simulates at 201 ms), then 10 s with repeated blocks tied by kind (199.8 ms). With
+# whole-block patterns in rounds (block_search.py) 3 s is enough: on the 2-core CPU, replanning
+# the H100 exports of gpt1.3b, a Llama and gpt350m at 50/25/10% with a 3 s limit took 3.7-6.3 s
+# (7.8-15.4 s before) and picked candidates that simulate at most 0.9% slower than those of the
+# 10 s tied-by-kind ILP, and up to 7% faster (`python -m turnip.bench.replan plan --step
+# bench/results/h100/steps/step_gpt1.3b.step --budgets 0.5,0.25,0.1 --planner-option time_limit=3`;
+# bench/results/analytic/s11/replan_*_tl3.json).
 SECONDS_PER_BINARY_MEASURED = 1.5e-2
 TIME_LIMIT_FLOOR = 1.0
-TIME_LIMIT_CAP = 10.0
+TIME_LIMIT_CAP = 3.0
+# When the block search beats nothing (its probes and program stay at greedy's plan, a local
+# optimum), the program over every group's options gets what is left of the limit, when at least
+# this many seconds: on the tests' 12-layer GPT at 10% the rounds ended in 0.3 s at greedy's plan,
+# the untied program proved one 0.8% faster in 2.2 s.
+UNTIED_AFTER_BLOCKS = 0.5
 def ilp_time_limit(n_binaries: int, measured: bool = False) -> float:
     """Seconds the ILP may run by default: SECONDS_PER_BINARY (SECONDS_PER_BINARY_MEASURED when the
     op costs were measured on the target GPU) per binary, between the floor and the cap."""
@@ -173,22 +181,24 @@ def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, m
              f"to beat: the greedy plan's {g_ev.time * 1e3:.3f} ms" if g_ev.feasible else "no greedy plan fits")
     describe(f"ILP, up to {limit:.3g} s")
     # Repeated blocks: rounds of probes for whole-block plans and the program over them
-    # (block_search.py) are the ILP; without blocks, the program over every group's options
+    # (block_search.py) are the ILP; without blocks, or when the patterns found nothing better than
+    # greedy's plan and time is left, the program over every group's options
     found = find_blocks(problem) if opts.get("tie_blocks", True) else []
-    dec, ev, blocks, search = None, None, [], None
+    dec, ev, blocks, search, seconds = None, None, [], None, 0.0
     if found:
         search = search_blocks(problem, f, found, g_dec, g_ev, limit, **solver_opts)
-        result, program, blocks = search.result, search.program, search.patterns
+        result, program, blocks, seconds = search.result, search.program, search.patterns, search.seconds
+        stats["ilp_program"] = "blocks"
         if search.improved:
             dec, ev = search.decisions, search.evaluation
-        seconds = search.seconds
-    else:
+    if search is None or (dec is None and limit - seconds >= UNTIED_AFTER_BLOCKS):
+        stats["ilp_program"] = "untied" if search is None else "blocks, then untied"
         program = f
         start = ilp.start_values(problem, f, g_ev.options, g_dec.cpu, g_ev.window_time) if g_ev.feasible else None
         # what the ILP must beat: its warm start, the greedy plan, as it prices it
         cutoff = sum(c * v for c, v in zip(f.obj, start) if c) if start is not None else None
-        result = solver.solve(f, start, time_limit=limit, cutoff=cutoff, **solver_opts)
-        seconds = result.seconds
+        result = solver.solve(f, start, time_limit=limit - seconds, cutoff=cutoff, **solver_opts)
+        seconds += result.seconds
         if result.values is not None:
             dec = from_solution(problem, f, result.values)
             ev = evaluate(problem, dec)
@@ -238,7 +248,10 @@ def outcome(stats: dict) -> str:
         return f"greedy plan: {stats['fallback']}; {how}"
     gain = stats.get("improvement_over_greedy")
     faster = f", {gain:.0%} faster than greedy's" if gain else ""
-    return f"ILP plan{faster}: {stats.get('status')} in {stats.get('solve_seconds') or 0.0:.1f} s; {how}"
+    status = stats.get("status")
+    if stats.get("ilp_program") == "blocks":  # optimal, where it is, among the whole-block patterns offered
+        status = f"{status} over {stats.get('block_patterns')} block patterns, {stats['block_rounds']} rounds"
+    return f"ILP plan{faster}: {status} in {stats.get('solve_seconds') or 0.0:.1f} s; {how}"
 
 
 def _finish(problem: Problem, dec: Decisions, ev: Evaluation, planner: str, stats: dict) -> Plan:
