@@ -22,9 +22,9 @@ def plan(taskgraph, gpu_budget: int, cpu_budget: int | None = None, method: str 
     present, analytic H100-class rates otherwise); it fills vertex.time/workspace where unset.
     time_limit: seconds the MILP solver may run (it starts from the greedy plan, so it always has
     one); None scales it to the problem (planners.driver.ilp_time_limit: 0.5 ms per binary
-    variable, 15 ms with op costs measured on the GPU, within 1-10 s; the block probes may take 40%
-    more before it). Options: tie_blocks (default True: each repeated block's instances choose
-    among whole-block patterns, planners/blocks.py), headroom (fraction of budget - workspace
+    variable, 15 ms with op costs measured on the GPU, within 1-10 s, for all the rounds of the
+    block search). Options: tie_blocks (default True: each repeated block's instances choose
+    among whole-block patterns found in rounds, planners/block_search.py), headroom (fraction of budget - workspace
     planned with, default 0.92, slack for fragmentation and prefetching), alignment (default 256 on CUDA, 64 otherwise), windows
     (overlap windows, default n/8 up to 160), gap (relative MIP gap to stop at, default 0.005),
     depth/max_candidates/max_chain (recompute chain limits), max_items (home decisions before
