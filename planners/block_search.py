@@ -2,8 +2,8 @@
 probing, then the tied program over them, in rounds.
 
 A *probe* frees one instance (its groups' options and its items' homes) with every other column
-fixed to the best plan so far, and solves that small program to optimality (a few dozen binaries,
-well under a second); its answer is that instance's best pattern given the rest, and a better
+fixed to the best plan so far, and solves that small program to within PROBE_GAP (a few hundred
+binaries after presolve, 0.1-1 s); its answer is that instance's best pattern given the rest, and a better
 plan when it beats the one it started from. Probes run at instances spread over the chain (the
 middle, then the quarters, ...), one after another, each from the last one's plan.
 
@@ -11,13 +11,15 @@ A *round* probes PROBES instances of each class, then solves the tied program (i
 the blocks): every tied instance takes one of the patterns found so far, the rest of the step
 (the layers left untied, embedding, head, optimizer items) is free. A pattern fixes every option
 of its instance, need time included, so that program is small and HiGHS solves it to its gap in
-about a second on gpt1.3b. Its plan starts the next round. The rounds stop when a round's probes
+seconds. Its plan starts the next round. The rounds stop when a round's probes
 offer no pattern the last tied program lacked, when the tied program does not beat the plan it
 started from by ROUND_GAIN, or at the time limit.
 
-On the H100 export of gpt1.3b at 50% (2-core CPU): the greedy plan is priced at 278.9 ms, the
-first round's program at 253.3 (1.5 s after greedy), the second's at 250.0 (3.3 s), where the
-program tied by kind alone (need times free, the probes' patterns) held 252.3 after 10 s and 30 s.
+On the H100 export of gpt1.3b at 50% (2-core CPU, beside the other problem's search): the greedy
+plan is priced at 278.9 ms, the first round's plan at 251.5 (6.4 s), where the program tied by kind
+alone (need times free, the probes' patterns) held 252.1 after 10 s and after 30 s. On the H200 host
+the tied programs of gpt1.3b and a Llama took 0.2-4.4 s, once 9.1 s
+(bench/results/2026-11-29_h200_block-rounds.md).
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ restricts the ILP instead (ilp.py, ``_block_rows``): each tied instance takes on
 that kind, by need time: the same relative to every instance) and a home per item, so the solver
 chooses among whole-block plans instead of every group's options one by one. block_search.py
 finds the patterns worth offering. A pattern fixes every option of the instance, need time
-included, so the program over patterns is small: on the H100 export of gpt1.3b at 50% it solves
-to optimality in about a second (tied by kind only, with need times left free, the same program
-ran past 10 s).
+included, so the program over patterns is small: on the H100 export of gpt1.3b at 50% it solved to
+its gap in 1-5 s (tied by kind only, with need times left free, it ran past 10 s).
 
 An instance whose layout differs from its class's most common one (which of its vertices have a
 group in the Problem, which kinds each group may take, which home items it owns) is left untied:
