@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 from . import ilp, solver
-from .blocks import BlockClass, Pattern, block_patterns
+from .blocks import BlockClass, Pattern, block_patterns, instance_pattern
 from .decode_solution import from_solution
 from .memory import Decisions, Evaluation, evaluate
 from .model import Problem
@@ -146,7 +146,7 @@ def _probe_round(problem: Problem, untied: ilp.Formulation, blocks: list[BlockCl
                 continue
             dec = from_solution(problem, untied, values)
             ev = evaluate(problem, dec)
-            pattern = block.pattern(problem, instance, ev.options, dec.cpu)
+            pattern = instance_pattern(problem, instance, ev.options, dec.cpu)
             if pattern is not None:
                 patterns.add(pattern)
             if ev.feasible and ev.objective < best_ev.objective:

@@ -68,13 +68,14 @@ class BlockClass:
     path: str  # the module list, e.g. "blocks" or "model.layers"
     instances: tuple[BlockInstance, ...]  # the tied ones (at least two), in program order
 
-    def pattern(self, problem: Problem, instance: BlockInstance, options: list[int], cpu: list[bool]) -> Pattern | None:
-        """What a plan (an option per group, evaluate's, and a home per item) does in one instance,
-        relative to the block; None where a group of it has no option (a plan that does not fit)."""
-        if any(options[g] < 0 for g in instance.groups):
-            return None
-        return (tuple(choice_of(problem.groups[g], options[g]) for g in instance.groups),
-                tuple(cpu[i] for i in instance.items))
+
+def instance_pattern(problem: Problem, instance: BlockInstance, options: list[int], cpu: list[bool]) -> Pattern | None:
+    """What a plan (an option per group, evaluate's, and a home per item) does in one instance,
+    relative to its block; None where a group of it has no option (a plan that does not fit)."""
+    if any(options[g] < 0 for g in instance.groups):
+        return None
+    return (tuple(choice_of(problem.groups[g], options[g]) for g in instance.groups),
+            tuple(cpu[i] for i in instance.items))
 
 
 def element_of(module: str) -> tuple[str, int] | None:
@@ -148,7 +149,7 @@ def block_patterns(problem: Problem, block: BlockClass, plans: list[tuple[Decisi
     first = block.instances[0]
     patterns = {(((KEEP, 0),) * len(first.groups), (False,) * len(first.items))}
     for decisions, evaluation in plans:
-        patterns.update(block.pattern(problem, instance, evaluation.options, decisions.cpu)
+        patterns.update(instance_pattern(problem, instance, evaluation.options, decisions.cpu)
                         for instance in block.instances)
     patterns.discard(None)
     return sorted(patterns)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .blocks import BlockClass, BlockInstance, Pattern, choice_of, choices
+from .blocks import BlockClass, BlockInstance, Pattern, choices, instance_pattern
 from .memory import TIE_BREAK, item_seconds, option_seconds
 from .model import KEEP, OFFLOAD, RECOMPUTE, Problem
 
@@ -312,11 +312,9 @@ def start_values(problem: Problem, f: Formulation, options: list[int], cpu: list
     for ii, flag in enumerate(cpu):
         vals[f.y[ii]] = 1.0 if flag else 0.0
     for instance, patterns, z in f.ties:
-        if all(options[g] >= 0 for g in instance.groups):
-            taken = (tuple(choice_of(problem.groups[g], options[g]) for g in instance.groups),
-                     tuple(bool(cpu[i]) for i in instance.items))
-            if taken in patterns:
-                vals[z[patterns.index(taken)]] = 1.0
+        taken = instance_pattern(problem, instance, options, [bool(c) for c in cpu])
+        if taken in patterns:
+            vals[z[patterns.index(taken)]] = 1.0
     for k, t in enumerate(f.T):
         vals[t] = float(window_time[k]) / f.time_unit
     running = 0.0

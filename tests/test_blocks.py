@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from turnip.memgraph import trace
 from turnip.planners import driver, ilp, solver
-from turnip.planners.blocks import block_patterns, element_of, find_blocks
+from turnip.planners.blocks import block_patterns, element_of, find_blocks, instance_pattern
 from turnip.planners.costs import CostModel
 from turnip.planners.decode_solution import from_solution
 from turnip.planners.greedy import greedy
@@ -143,13 +143,13 @@ def test_a_pattern_left_out_cannot_be_taken(gpt_problem):
     problem = gpt_problem
     dec, ev, _ = greedy(problem)
     (block,) = find_blocks(problem)
-    only = [block.pattern(problem, block.instances[0], ev.options, dec.cpu)]
+    only = [instance_pattern(problem, block.instances[0], ev.options, dec.cpu)]
     f = ilp.formulate(problem, [(block, only)])
     result = solver.solve(f, None, time_limit=30)
     assert result.values is not None
     tied = from_solution(problem, f, result.values)
     tied_ev = evaluate(problem, tied)
-    assert all(block.pattern(problem, inst, tied_ev.options, tied.cpu) == only[0] for inst in block.instances)
+    assert all(instance_pattern(problem, inst, tied_ev.options, tied.cpu) == only[0] for inst in block.instances)
     keep_only = block_patterns(problem, block, [])
     assert keep_only == [(((KEEP, 0),) * len(block.instances[0].groups), (False,) * len(block.instances[0].items))]
     assert solver.solve(ilp.formulate(problem, [(block, keep_only)]), None, time_limit=30).values is None
@@ -170,7 +170,7 @@ def test_the_tied_ilp_is_never_worse_than_greedy_and_follows_its_patterns(gpt_pr
     assert tied_ev.objective <= ev.objective * (1 + 1e-9)
     for block, patterns in blocks:
         for inst in block.instances:  # need times included: the option of every group is the pattern's
-            assert block.pattern(problem, inst, tied_ev.options, tied.cpu) in patterns
+            assert instance_pattern(problem, inst, tied_ev.options, tied.cpu) in patterns
 
 
 def test_tie_blocks_false_plans_without_ties(gpt_problem):
@@ -217,7 +217,7 @@ def test_a_probe_changes_only_the_instance_it_frees_and_the_search_keeps_greedys
     assert search.rounds >= 1 and search.program.ties and search.result is not None
     found = evaluate(problem, search.decisions)
     for inst in block.instances:  # the plan found takes one of the patterns the last program offered
-        assert block.pattern(problem, inst, found.options, search.decisions.cpu) in patterns or not search.improved
+        assert instance_pattern(problem, inst, found.options, search.decisions.cpu) in patterns or not search.improved
 
 
 def test_the_rounds_stop_when_the_tied_program_no_longer_improves(gpt_problem, monkeypatch):
