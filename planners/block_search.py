@@ -105,7 +105,7 @@ def search_blocks(problem: Problem, untied: ilp.Formulation, blocks: list[BlockC
         program = ilp.formulate(problem, offered)
         start = ilp.start_values(problem, program, best_ev.options, best.cpu, best_ev.window_time) \
             if best_ev.feasible else None
-        cutoff = sum(c * v for c, v in zip(program.obj, start) if c) if start is not None else None
+        cutoff = program.objective(start) if start is not None else None
         result = solver.solve(program, start, time_limit=max(deadline - time.perf_counter(), 0.1), cutoff=cutoff,
                               **solver_opts)
         tied_better = False
@@ -166,8 +166,7 @@ def _solve_one_free(problem: Problem, f: ilp.Formulation, dec: Decisions, ev: Ev
     try:
         for c in fixed:
             f.lb[c] = f.ub[c] = start[c]
-        cutoff = sum(c * v for c, v in zip(f.obj, start) if c)
-        result = solver.solve(f, start, time_limit=max(seconds, 0.1), cutoff=cutoff,
+        result = solver.solve(f, start, time_limit=max(seconds, 0.1), cutoff=f.objective(start),
                               **{**solver_opts, "gap": PROBE_GAP})
     finally:
         f.lb[:], f.ub[:] = lb, ub

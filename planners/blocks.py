@@ -52,8 +52,8 @@ def choices(group: Group) -> dict[Choice, int]:
 
 
 def choice_of(group: Group, option: int) -> Choice:
-    kind = group.options[option].kind
-    return kind, sum(1 for o in group.options[option + 1:] if o.kind == kind)
+    """The choice naming one of the group's options (choices, inverted)."""
+    return next(choice for choice, oi in choices(group).items() if oi == option)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,8 @@ TIME_LIMIT_CAP = 10.0
 # this many seconds: on the tests' 12-layer GPT at 10% the rounds ended in 0.3 s at greedy's plan,
 # the untied program proved one 0.8% faster in 2.2 s.
 UNTIED_AFTER_BLOCKS = 0.5
+
+
 def ilp_time_limit(n_binaries: int, measured: bool = False) -> float:
     """Seconds the ILP may run by default: SECONDS_PER_BINARY (SECONDS_PER_BINARY_MEASURED when the
     op costs were measured on the target GPU) per binary, between the floor and the cap."""
@@ -193,7 +195,7 @@ def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, m
         program = f
         start = ilp.start_values(problem, f, g_ev.options, g_dec.cpu, g_ev.window_time) if g_ev.feasible else None
         # what the ILP must beat: its warm start, the greedy plan, as it prices it
-        cutoff = sum(c * v for c, v in zip(f.obj, start) if c) if start is not None else None
+        cutoff = f.objective(start) if start is not None else None
         result = solver.solve(f, start, time_limit=limit - seconds, cutoff=cutoff, **solver_opts)
         seconds += result.seconds
         if result.values is not None:

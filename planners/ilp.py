@@ -78,6 +78,10 @@ class Formulation:
     def n_binaries(self) -> int:
         return sum(self.integer)
 
+    def objective(self, values: list[float]) -> float:
+        """The objective of a complete assignment (e.g. a warm start: the cutoff a solution must beat)."""
+        return sum(c * v for c, v in zip(self.obj, values) if c)
+
 
 @dataclass
 class WindowLoads:
