@@ -37,8 +37,8 @@ from ..ir.costs import HostLinks
 from ..ir.errors import InfeasibleBudget
 from ..ir.plan import Plan
 from ..ir.step_file import load_step, save_step
-from ..memgraph.builder import build_walks, prepare
-from ..memgraph.compiler import COMPACT_FOR, built_on_every_device, everything_kept, favourite_refused, plan_step
+from ..memgraph.builder import build_walks
+from ..memgraph.compiler import Built, built_on_every_device, built_walks, everything_kept, favourite_refused, plan_step
 from ..memgraph.keep_transfers import keep_transfers
 from ..memgraph.progress import Phases
 from ..memgraph.remake_offloaded import recompute_evicted
@@ -157,10 +157,9 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
         return plans
 
     def simulated(plans: list[Plan]) -> tuple[list[dict], InfeasibleBudget | None]:
-        """A row per walk of each plan that builds, and as compile's build_candidates the refusal of a
-        plan predicted faster than those; the builder's refusal where none builds."""
-        found, refused, built_plans = [], [], []
-        ahead = []  # (simulated seconds, index, plan, its prepare()) of each plan's allocate-ahead walk
+        """A row per walk of each plan that builds (compile's built_walks), and of each plan amended
+        as compile tries on its pick; as compile's build_candidates the refusal of a plan predicted
+        faster than those; the builder's refusal where none builds."""
 
         def row(k: int, plan: Plan, walk: str, mg) -> dict:
             sim = simulate(mg, costs, backend="cuda")
@@ -177,38 +176,33 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
                 "arena_bytes": mg.arena_bytes, "cpu_bytes": mg.cpu_bytes,
                 "vertices": mg.summary()["vertices"], "plan_seconds": plan_s[0], "options": options}
 
-        for k, plan in enumerate(plans):
-            try:
-                # as compile: the apart walk only where everything is kept (keep_everything)
-                # (the compact walk of the COMPACT_FOR plans the allocate-ahead walk runs fastest, after)
-                walks = ("ahead", "apart", "compact") if plan.planner == "none" else ("ahead",)
-                ready = prepare(tg, plan, ALIGNMENT)
-                built = list(build_walks(tg, plan, alignment=ALIGNMENT, walks=walks, prepared=ready).items())
-            except InfeasibleBudget as exc:  # as compile: on several devices the other candidates stand
-                log.warning("%s#%d does not build: %s", plan.planner, k, exc)
-                refused.append((plan, exc))
+        if plans[0].planner == "none":  # as compile's keep_everything, the apart walk beside the others
+            built = [Built(0, plans[0], walk, mg) for walk, mg in
+                     build_walks(tg, plans[0], alignment=ALIGNMENT, walks=("ahead", "apart", "compact")).items()]
+            refused = []
+        else:
+            built, refused = built_walks(tg, plans, ALIGNMENT, costs, "cuda", stand=True)
+        for plan, exc in refused:
+            log.warning("%s does not build: %s", plan.planner, exc)
+        found = [row(b.index, b.plan, b.walk, b.mg) for b in built]
+        for b in built:
+            if b.walk != "ahead" or b.plan.planner == "none":
                 continue
-            built_plans.append(plan)
-            amended = recompute_evicted(tg, plan, built[0][1], costs)  # as compile tries on its pick
+            amended = recompute_evicted(tg, b.plan, b.mg, costs)  # as compile tries on its pick
             if amended is not None:
-                built.append(("ahead+recomputed evictions", build_walks(tg, amended, alignment=ALIGNMENT, walks=("ahead",))["ahead"]))
-            kept = keep_transfers(tg, plan)  # as compile tries on its pick too, in its walk
+                mg = build_walks(tg, amended, alignment=ALIGNMENT, walks=("ahead",))["ahead"]
+                found.append(row(b.index, b.plan, "ahead+recomputed evictions", mg))
+            kept = keep_transfers(tg, b.plan)  # as compile tries on its pick too, in its walk
             if kept is not None:
                 try:
-                    built += [(f"{walk}+copies kept", mg) for walk, mg in build_walks(tg, kept, alignment=ALIGNMENT).items()]
+                    found += [row(b.index, b.plan, f"{walk}+copies kept", mg)
+                              for walk, mg in build_walks(tg, kept, alignment=ALIGNMENT).items()]
                 except InfeasibleBudget as exc:
-                    log.warning("%s#%d with its copies between devices kept does not build: %s", plan.planner, k, exc)
-            for walk, mg in built:
-                found.append(row(k, plan, walk, mg))
-                if walk == "ahead" and plan.planner != "none":  # (that one's compact walk is built above)
-                    ahead.append((found[-1]["simulated_s"], k, plan, ready))
-        for _, k, plan, ready in sorted(ahead, key=lambda a: a[:2])[:COMPACT_FOR]:  # as compile's build_candidates
-            packed = build_walks(tg, plan, alignment=ALIGNMENT, walks=("compact",), prepared=ready).get("compact")
-            if packed is not None:
-                found.append(row(k, plan, "compact", packed))
+                    log.warning("%s#%d with its copies between devices kept does not build: %s", b.plan.planner,
+                                b.index, exc)
         if not found and refused:
             raise min((exc for _, exc in refused), key=lambda exc: exc.minimum or 0)
-        return found, favourite_refused(refused, built_plans)
+        return found, favourite_refused(refused, [b.plan for b in built])
 
     try:
         if budget >= peak:  # nothing to plan: what compile's keep_everything chooses between

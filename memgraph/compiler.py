@@ -693,17 +693,25 @@ def home_imbalance(tg) -> int:
 COMPACT_FOR = 2
 
 
-def build_candidates(tg, candidates: list[Plan], alignment: int, costs,
-                     backend: str) -> tuple[MemGraph, str | None, InfeasibleBudget | None]:
-    """The MemGraph of the plans, which walk of the builder made it ("ahead", "compact"; None where
-    build chose by itself), and the refusal of a candidate that left a device short though the planner
-    predicted it faster than every one that built (favourite_refused). On CUDA each plan is built by
-    the allocate-ahead walk, the COMPACT_FOR of them it runs fastest in the simulator by the compact
-    walk too (memgraph/builder.py build_walks), and the simulator picks."""
-    mgs, walks = [], []
+@dataclass
+class Built:
+    """A candidate plan built by one walk of the builder."""
+    index: int  # the plan's place among the candidates
+    plan: Plan
+    walk: str | None  # "ahead", "compact"; None where build chose by itself
+    mg: MemGraph
+
+
+def built_walks(tg, candidates: list[Plan], alignment: int, costs, backend: str, stand: bool = False
+                ) -> tuple[list[Built], list[tuple[Plan, InfeasibleBudget]]]:
+    """The candidates built, and the refusals of those that left a device short. On CUDA each plan
+    is built by the allocate-ahead walk, the COMPACT_FOR of them it runs fastest in the simulator
+    by the compact walk too (memgraph/builder.py build_walks). A refusal is raised on one device or
+    for a single candidate, unless ``stand`` (every candidate's refusal is kept and the others stand)."""
+    found: list[Built] = []
     refused = []  # (plan, refusal) of the candidates that left a device short
     prepared = {}  # id of an allocate-ahead MemGraph -> its plan expanded and scheduled, for its compact walk
-    for plan in candidates:
+    for k, plan in enumerate(candidates):
         # on several devices a plan made for all of them as one may leave one device short: the others stand
         try:
             if backend == "cuda":
@@ -713,26 +721,35 @@ def build_candidates(tg, candidates: list[Plan], alignment: int, costs,
             else:
                 built = {None: build(tg, plan, alignment=alignment)}
         except InfeasibleBudget as exc:
-            if tg.devices == 1 or len(candidates) == 1:
+            if not stand and (tg.devices == 1 or len(candidates) == 1):
                 raise
             log.info("the %s plan does not build on every device (%s); the other candidates stand", plan.planner, exc)
             refused.append((plan, exc))
             continue
-        mgs += built.values()
-        walks += built.keys()
-    if not mgs:
-        raise refused[0][1]
+        found += [Built(k, plan, walk, mg) for walk, mg in built.items()]
     if backend == "cuda":
-        for mg in sorted(mgs, key=lambda mg: simulated_step(mg, costs, backend))[:COMPACT_FOR]:
-            packed = build_walks(tg, mg.plan, alignment=alignment, walks=("compact",),
-                                 prepared=prepared[id(mg)]).get("compact")
+        for ahead in sorted(found, key=lambda b: simulated_step(b.mg, costs, backend))[:COMPACT_FOR]:
+            packed = build_walks(tg, ahead.plan, alignment=alignment, walks=("compact",),
+                                 prepared=prepared[id(ahead.mg)]).get("compact")
             if packed is not None:
-                mgs.append(packed)
-                walks.append("compact")
+                found.append(Built(ahead.index, ahead.plan, "compact", packed))
+    return found, refused
+
+
+def build_candidates(tg, candidates: list[Plan], alignment: int, costs,
+                     backend: str) -> tuple[MemGraph, str | None, InfeasibleBudget | None]:
+    """The MemGraph of the plans (built_walks) the simulator runs fastest, amended where that runs
+    faster (amended_if_faster), which walk of the builder made it ("ahead", "compact"; None where
+    build chose by itself), and the refusal of a candidate that left a device short though the planner
+    predicted it faster than every one that built (favourite_refused)."""
+    found, refused = built_walks(tg, candidates, alignment, costs, backend)
+    if not found:
+        raise refused[0][1]
+    mgs = [b.mg for b in found]
     best = mgs[0] if len(mgs) == 1 else fastest_simulated(mgs, costs, backend)
-    walk = walks[next(k for k, mg in enumerate(mgs) if mg is best)]
+    walk = next(b.walk for b in found if b.mg is best)
     return (amended_if_faster(tg, best, walk, alignment, costs, backend), walk,
-            favourite_refused(refused, [mg.plan for mg in mgs]))
+            favourite_refused(refused, [b.plan for b in found]))
 
 
 def amended_if_faster(tg, best: MemGraph, walk: str | None, alignment: int, costs, backend: str) -> MemGraph:

@@ -13,7 +13,8 @@ the blocks): every tied instance takes one of the patterns found so far, the res
 of its instance, need time included, so that program is small and HiGHS solves it to its gap in
 seconds. Its plan starts the next round. The rounds stop when a round's probes
 offer no pattern the last tied program lacked, when the tied program does not beat the plan it
-started from by ROUND_GAIN, or at the time limit.
+started from by ROUND_GAIN, when it ran ROUND_LIMIT seconds without proving its gap, or at the
+time limit.
 
 On the H100 export of gpt1.3b at 50% (2-core CPU, beside the other problem's search): the greedy
 plan is priced at 278.9 ms, the first round's plan at 251.5 (6.4 s), where the program tied by kind
@@ -46,6 +47,12 @@ PROBE_SHARE = 0.5
 # a round whose tied program improves the best plan by less than this (relative) is the last:
 # on the H200 export of a Llama at 25% a second round took 4.3 s to gain 0.07%
 ROUND_GAIN = 1e-3
+# a round's tied program may run this long; one that reaches it without proving its gap is the last
+# round: a round with more patterns would not prove it sooner. On the H200 exports of gpt1.3b and a
+# Llama, planning took up to 5 s less than with the whole limit per round, with the same picks in
+# the simulator but for gpt1.3b at 50% (+0.8%); a 3 s cap cut a Llama's first round short
+# (bench/results/2026-11-29_h200_block-rounds.md)
+ROUND_LIMIT = 4.0
 
 
 @dataclass
@@ -106,8 +113,10 @@ def search_blocks(problem: Problem, untied: ilp.Formulation, blocks: list[BlockC
         start = ilp.start_values(problem, program, best_ev.options, best.cpu, best_ev.window_time) \
             if best_ev.feasible else None
         cutoff = program.objective(start) if start is not None else None
-        result = solver.solve(program, start, time_limit=max(deadline - time.perf_counter(), 0.1), cutoff=cutoff,
+        left = deadline - time.perf_counter()
+        result = solver.solve(program, start, time_limit=max(min(left, ROUND_LIMIT), 0.1), cutoff=cutoff,
                               **solver_opts)
+        capped = not result.optimal and left > ROUND_LIMIT
         tied_better = False
         if result.values is not None:
             dec = from_solution(problem, program, result.values)
@@ -120,7 +129,7 @@ def search_blocks(problem: Problem, untied: ilp.Formulation, blocks: list[BlockC
         log.info("block search round %d: probes %.1f s, %s; the tied program %s in %.1f s, best plan %.3f ms "
                  "(%.1f s in all)", rounds, probe_seconds, ", ".join(f"{len(p)} patterns of {b.path!r}" for b, p in offered),
                  result.status, result.seconds, best_ev.time * 1e3, time.perf_counter() - started)
-        if not tied_better or time.perf_counter() >= deadline:
+        if not tied_better or capped or time.perf_counter() >= deadline:
             break
     return Search(offered, best, best_ev, time.perf_counter() - started, improved, rounds, result, program)
 

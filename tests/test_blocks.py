@@ -255,3 +255,28 @@ def test_the_greedy_time_bench_times_both_checks_and_restores_the_incremental_on
     assert modes["every group"]["objective"] == modes["incremental"]["objective"]
     assert all(m["greedy_s"] > 0 and m["rank_moves_s"] > 0 for m in modes.values())
     assert greedy_module.read_closure is read_closure
+
+
+def test_a_tied_program_stopped_by_the_round_limit_is_the_last_round(gpt_problem, monkeypatch):
+    """The tied program gets at most ROUND_LIMIT seconds of a longer limit; when it stops there
+    without proving its gap, no further round runs (a round with more patterns would not prove it
+    sooner), even if its plan beat the last one."""
+    from turnip.planners import block_search
+
+    problem = gpt_problem
+    dec, ev, _ = greedy(problem)
+    limits = []
+    real = solver.solve
+
+    def unproven(f, start=None, **kwargs):
+        result = real(f, start, **kwargs)
+        if f.ties:
+            limits.append(kwargs["time_limit"])
+            result.optimal, result.status = False, "Time limit reached"
+        return result
+
+    monkeypatch.setattr(block_search, "ROUND_LIMIT", 0.5)
+    monkeypatch.setattr(block_search, "ROUND_GAIN", -1.0)  # every round would otherwise go on
+    monkeypatch.setattr(block_search.solver, "solve", unproven)
+    search = block_search.search_blocks(problem, ilp.formulate(problem), find_blocks(problem), dec, ev, seconds=60)
+    assert limits == [0.5] and search.rounds == 1
