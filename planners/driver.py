@@ -24,7 +24,7 @@ from ..ir.plan import Plan
 from ..ir.sizes import aligned
 from ..ir.taskgraph import TaskGraph
 from . import ilp, solver
-from .block_search import search_blocks
+from .block_search import ROUND_LIMIT, search_blocks
 from .blocks import find_blocks
 from .costs import CostModel, default_costs
 from .decode_solution import from_solution, to_plan
@@ -57,9 +57,10 @@ SECONDS_PER_BINARY_MEASURED = 1.5e-2
 TIME_LIMIT_FLOOR = 1.0
 TIME_LIMIT_CAP = 10.0
 # When the block search beats nothing (its probes and program stay at greedy's plan, a local
-# optimum), the program over every group's options gets what is left of the limit, when at least
-# this many seconds: on the tests' 12-layer GPT at 10% the rounds ended in 0.3 s at greedy's plan,
-# the untied program proved one 0.8% faster in 2.2 s.
+# optimum), the program over every group's options gets what is left of the limit, at most
+# block_search.ROUND_LIMIT, when at least this many seconds: on the tests' 12-layer GPT at 10% the
+# rounds ended in 0.3 s at greedy's plan, the untied program proved one 0.8% faster in 2.2 s; on
+# the H200 (gpt1.3b at 25%, op costs cached) it ran 10 s to find nothing, half that compile's time.
 UNTIED_AFTER_BLOCKS = 0.5
 
 
@@ -196,7 +197,8 @@ def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, m
         start = ilp.start_values(problem, f, g_ev.options, g_dec.cpu, g_ev.window_time) if g_ev.feasible else None
         # what the ILP must beat: its warm start, the greedy plan, as it prices it
         cutoff = f.objective(start) if start is not None else None
-        result = solver.solve(f, start, time_limit=limit - seconds, cutoff=cutoff, **solver_opts)
+        left = limit - seconds if search is None else min(limit - seconds, ROUND_LIMIT)
+        result = solver.solve(f, start, time_limit=left, cutoff=cutoff, **solver_opts)
         seconds += result.seconds
         if result.values is not None:
             dec = from_solution(problem, f, result.values)

@@ -126,6 +126,34 @@ def test_with_blocks_tied_the_ilp_starts_from_the_better_of_greedy_and_the_probe
     assert plan.predicted_time <= greedy_plan.predicted_time
 
 
+def test_after_a_block_search_that_beat_nothing_the_untied_program_gets_at_most_a_round(small_gpt, monkeypatch):
+    """When the rounds stay at greedy's plan, the program over every group's options runs within
+    the time left but no longer than block_search.ROUND_LIMIT (on the H200 it once ran its whole
+    10 s to find nothing); without blocks it gets the whole limit."""
+    from turnip.planners import block_search
+
+    tg, budget = small_gpt
+    limits = []
+    real = solver_mod.solve
+
+    def spy(f, start=None, **kwargs):
+        limits.append((bool(f.ties), kwargs["time_limit"]))
+        return real(f, start, **kwargs)
+
+    def beat_nothing(problem, untied, blocks, dec, ev, seconds, **opts):
+        return block_search.Search([], dec, ev, 0.05, False, 1, None, None)
+
+    monkeypatch.setattr(solver_mod, "solve", spy)
+    monkeypatch.setattr(driver, "search_blocks", beat_nothing)
+    monkeypatch.setattr(driver, "ROUND_LIMIT", 0.7)
+    plan = run_plan(tg, budget, alignment=64, time_limit=10)
+    assert plan.stats["ilp_program"] == "blocks, then untied"
+    assert limits == [(False, 0.7)]
+    limits.clear()
+    plan = run_plan(tg, budget, alignment=64, time_limit=3, tie_blocks=False)
+    assert plan.stats["ilp_program"] == "untied" and limits == [(False, 3.0)]
+
+
 def test_an_ilp_that_finds_nothing_better_in_time_hands_back_the_greedy_plan(small_gpt, monkeypatch):
     def no_better(f, start=None, time_limit=None, **kwargs):  # stopped at the limit holding its warm start
         return SolveResult(values=list(start), status="Time limit reached", optimal=False,
