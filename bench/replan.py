@@ -38,7 +38,15 @@ from ..ir.errors import InfeasibleBudget
 from ..ir.plan import Plan
 from ..ir.step_file import load_step, save_step
 from ..memgraph.builder import build_walks
-from ..memgraph.compiler import Built, built_on_every_device, built_walks, everything_kept, favourite_refused, plan_step
+from ..memgraph.compiler import (
+    Built,
+    built_on_every_device,
+    built_walks,
+    compact_walks,
+    everything_kept,
+    favourite_refused,
+    plan_step,
+)
 from ..memgraph.keep_transfers import keep_transfers
 from ..memgraph.progress import Phases
 from ..memgraph.remake_offloaded import recompute_evicted
@@ -181,7 +189,7 @@ def _rows_at(tg, facts: dict, costs, text: str, budget: int, peak: int, eager_pe
                      build_walks(tg, plans[0], alignment=ALIGNMENT, walks=("ahead", "apart", "compact")).items()]
             refused = []
         else:
-            built, refused = built_walks(tg, plans, ALIGNMENT, costs, "cuda", stand=True)
+            built, refused = built_walks(tg, plans, ALIGNMENT, costs, "cuda", compact_walks(budget, peak), stand=True)
         for plan, exc in refused:
             log.warning("%s does not build: %s", plan.planner, exc)
         found = [row(b.index, b.plan, b.walk, b.mg) for b in built]

@@ -310,7 +310,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             tg = layout.tg
 
             def built(candidates: list[Plan]) -> tuple[MemGraph, InfeasibleBudget | None]:
-                mg, walk, short = build_candidates(tg, candidates, alignment, costs, device.type)
+                mg, walk, short = build_candidates(tg, candidates, alignment, costs, device.type,
+                                                   compact_walks(gpu_budget, layout.peak))
                 mg.stats["build_walk"] = walk
                 return mg, short
 
@@ -691,6 +692,18 @@ def home_imbalance(tg) -> int:
 # slower at worst, with the compact walk of the fastest plan alone); the compact walk wins mostly
 # near the peak (gpt350m at 50-60%). A 7B LoRA step at 20% builds 6 MemGraphs instead of 8.
 COMPACT_FOR = 2
+# ... and only at budgets of at least this share of the unplanned peak: in the 101 replan tables
+# where both walks were built (bench/results/h100/replan_blocks/, analytic/s1*), the compact walk
+# ran fastest only at 52-62% (15 of 20 tables there); in the 56 below 40% its best was 4.2-20%
+# slower than the allocate-ahead walk's, in the 25 at 40-51% 1-7% slower. Below it, a compile at
+# 25% or 10% builds and simulates two MemGraphs fewer.
+COMPACT_ABOVE = 0.4
+
+
+def compact_walks(budget: int, peak: int) -> int:
+    """How many plans the compact walk is built for at this budget (bytes per device) and unplanned
+    peak: COMPACT_FOR, or none below COMPACT_ABOVE of the peak."""
+    return COMPACT_FOR if budget >= COMPACT_ABOVE * peak else 0
 
 
 @dataclass
@@ -702,11 +715,11 @@ class Built:
     mg: MemGraph
 
 
-def built_walks(tg, candidates: list[Plan], alignment: int, costs, backend: str, stand: bool = False
-                ) -> tuple[list[Built], list[tuple[Plan, InfeasibleBudget]]]:
+def built_walks(tg, candidates: list[Plan], alignment: int, costs, backend: str, compact_for: int = COMPACT_FOR,
+                stand: bool = False) -> tuple[list[Built], list[tuple[Plan, InfeasibleBudget]]]:
     """The candidates built, and the refusals of those that left a device short. On CUDA each plan
-    is built by the allocate-ahead walk, the COMPACT_FOR of them it runs fastest in the simulator
-    by the compact walk too (memgraph/builder.py build_walks). A refusal is raised on one device or
+    is built by the allocate-ahead walk, the ``compact_for`` of them it runs fastest in the simulator
+    by the compact walk too (memgraph/builder.py build_walks; compact_walks says how many). A refusal is raised on one device or
     for a single candidate, unless ``stand`` (every candidate's refusal is kept and the others stand)."""
     found: list[Built] = []
     refused = []  # (plan, refusal) of the candidates that left a device short
@@ -728,7 +741,7 @@ def built_walks(tg, candidates: list[Plan], alignment: int, costs, backend: str,
             continue
         found += [Built(k, plan, walk, mg) for walk, mg in built.items()]
     if backend == "cuda":
-        for ahead in sorted(found, key=lambda b: simulated_step(b.mg, costs, backend))[:COMPACT_FOR]:
+        for ahead in sorted(found, key=lambda b: simulated_step(b.mg, costs, backend))[:compact_for]:
             packed = build_walks(tg, ahead.plan, alignment=alignment, walks=("compact",),
                                  prepared=prepared[id(ahead.mg)]).get("compact")
             if packed is not None:
@@ -736,13 +749,13 @@ def built_walks(tg, candidates: list[Plan], alignment: int, costs, backend: str,
     return found, refused
 
 
-def build_candidates(tg, candidates: list[Plan], alignment: int, costs,
-                     backend: str) -> tuple[MemGraph, str | None, InfeasibleBudget | None]:
+def build_candidates(tg, candidates: list[Plan], alignment: int, costs, backend: str,
+                     compact_for: int = COMPACT_FOR) -> tuple[MemGraph, str | None, InfeasibleBudget | None]:
     """The MemGraph of the plans (built_walks) the simulator runs fastest, amended where that runs
     faster (amended_if_faster), which walk of the builder made it ("ahead", "compact"; None where
     build chose by itself), and the refusal of a candidate that left a device short though the planner
     predicted it faster than every one that built (favourite_refused)."""
-    found, refused = built_walks(tg, candidates, alignment, costs, backend)
+    found, refused = built_walks(tg, candidates, alignment, costs, backend, compact_for)
     if not found:
         raise refused[0][1]
     mgs = [b.mg for b in found]

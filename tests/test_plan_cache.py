@@ -279,3 +279,18 @@ def test_the_build_that_won_is_built_again_from_the_cache(traced, walk):
     again = compile_module.build_cached(tg, cache_mod.CachedPlan(mg.plan, walk, 0.25), 64)
     assert (again.serial, again.arena_bytes, again.vertices) == (mg.serial, mg.arena_bytes, mg.vertices)
     assert again.stats["simulated_step_s"] == 0.25
+
+
+def test_the_compact_walk_is_built_only_near_the_peak(traced):
+    """compile_module.compact_walks: the compact walk for COMPACT_FOR plans at budgets of at least
+    COMPACT_ABOVE of the unplanned peak, for none below; built_walks builds what it is told."""
+    tg, costs = traced
+    peak = 10_000
+    assert compile_module.compact_walks(int(compile_module.COMPACT_ABOVE * peak), peak) == compile_module.COMPACT_FOR
+    assert compile_module.compact_walks(int(compile_module.COMPACT_ABOVE * peak) - 1, peak) == 0
+    candidates = driver.plan_candidates(tg, int(0.5 * tg.live_peak(alignment=64)), alignment=64, costs=costs)
+    for compact_for in (0, 1):
+        found, refused = compile_module.built_walks(tg, candidates, 64, costs, "cuda", compact_for)
+        assert not refused
+        assert sorted(b.walk for b in found) == sorted(["ahead"] * len(candidates) + ["compact"] * compact_for)
+        assert {b.index for b in found} == set(range(len(candidates)))
