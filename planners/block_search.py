@@ -7,11 +7,11 @@ binaries after presolve, 0.1-1 s); its answer is that instance's best pattern gi
 plan when it beats the one it started from. Probes run at instances spread over the chain (the
 middle, then the quarters, ...), one after another, each from the last one's plan.
 
-A *round* probes PROBES instances of each class, then solves the tied program (ilp.formulate with
-the blocks): every tied instance takes one of the patterns found so far, the rest of the step
-(the layers left untied, embedding, head, optimizer items) is free. A pattern fixes every option
-of its instance, need time included, so that program is small and HiGHS solves it to its gap in
-seconds. Its plan starts the next round. The rounds stop when a round's probes
+A *round* probes PROBES instances of each class, then solves the tied program (the untied program
+with the block rows, ilp.tie_blocks): every tied instance takes one of the patterns found so far,
+the rest of the step (the layers left untied, embedding, head, optimizer items) is free. A pattern
+fixes every option of its instance, need time included, so that program is small and HiGHS solves
+it to its gap in seconds. Its plan starts the next round. The rounds stop when a round's probes
 offer no pattern the last tied program lacked, when the tied program does not beat the plan it
 started from by ROUND_GAIN, when it ran ROUND_LIMIT seconds without proving its gap, or at the
 time limit.
@@ -109,7 +109,8 @@ def search_blocks(problem: Problem, untied: ilp.Formulation, blocks: list[BlockC
         if offered is not None and (now == offered or time.perf_counter() >= deadline):
             break  # the same program again, or no time for it
         offered = now
-        program = ilp.formulate(problem, offered)
+        program = untied.copy()  # the untied program's rows, made once, and the block rows
+        ilp.tie_blocks(problem, program, offered)
         start = ilp.start_values(problem, program, best_ev.options, best.cpu, best_ev.window_time) \
             if best_ev.feasible else None
         cutoff = program.objective(start) if start is not None else None

@@ -28,6 +28,8 @@ plan as a warm start; decode_solution.py turns a solution back into Decisions an
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import math
 from collections import defaultdict
@@ -81,6 +83,12 @@ class Formulation:
     def objective(self, values: list[float]) -> float:
         """The objective of a complete assignment (e.g. a warm start: the cutoff a solution must beat)."""
         return sum(c * v for c, v in zip(self.obj, values) if c)
+
+    def copy(self) -> Formulation:
+        """A program to add rows and columns to (tie_blocks) without changing this one: new lists
+        and maps, the rows' coefficient maps shared (nothing changes a row once made)."""
+        return dataclasses.replace(self, **{f.name: copy.copy(getattr(self, f.name)) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), (list, dict))})
 
 
 @dataclass

@@ -280,3 +280,20 @@ def test_a_tied_program_stopped_by_the_round_limit_is_the_last_round(gpt_problem
     monkeypatch.setattr(block_search.solver, "solve", unproven)
     search = block_search.search_blocks(problem, ilp.formulate(problem), find_blocks(problem), dec, ev, seconds=60)
     assert limits == [0.5] and search.rounds == 1
+
+
+def test_the_tied_program_made_from_a_copy_of_the_untied_one_is_the_one_formulated_with_blocks(gpt_problem):
+    """block_search ties a copy of the untied program (Formulation.copy, ilp.tie_blocks) instead of
+    formulating the whole program again each round: the same program, the untied one unchanged."""
+    problem = gpt_problem
+    dec, ev, _ = greedy(problem)
+    blocks = [(block, block_patterns(problem, block, [(dec, ev)])) for block in find_blocks(problem)]
+    untied = ilp.formulate(problem)
+    before = (list(untied.names), list(untied.ub), len(untied.rows), dict(untied.x))
+    tied = untied.copy()
+    ilp.tie_blocks(problem, tied, blocks)
+    whole = ilp.formulate(problem, blocks)
+    fields = ("names", "lb", "ub", "integer", "obj", "rows", "row_names", "x", "y", "T", "M")
+    assert all(getattr(tied, name) == getattr(whole, name) for name in fields)
+    assert [(i.groups, p, z) for i, p, z in tied.ties] == [(i.groups, p, z) for i, p, z in whole.ties]
+    assert (untied.names, untied.ub, len(untied.rows), untied.x) == before and not untied.ties
