@@ -8,17 +8,23 @@ time varies more between calls (machines) than most options move it. This compil
 step once with options A and once with options B (each ``--a``/``--b`` a compile planner option,
 KEY=VALUE, repeatable), and times the two MemGraphs alternately on one device, each beside its
 simulated step and the bytes it moves. Needs a CUDA device. Writes
-bench/results/planner_ab_<model>.json.
+bench/results/planner_ab_<model>.json; with ``--timelines DIR`` also one more step of each traced
+(``planner_ab_<model>_<side>.json``) beside the simulator's timeline of it (``.sim.json``), for
+``python -m turnip.bench.trace_waits`` to show where the simulator misses the device.
+
+    python -m turnip.bench.planner_ab --model gpt1.3b --budget 8.6587GiB --a planner=ilp --b planner=greedy \
+        --timelines bench/results/h200
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 import torch
 
-from .. import memgraph
+from .. import engine, memgraph
 from ..engine.timing_sim import simulate, transfer_bytes
 from ..planners.costs import CostModel
 from .models.sizes import make_workload
@@ -34,6 +40,8 @@ def main(argv=None) -> int:
     ab_arguments(ap)
     ap.add_argument("--a", action="append", default=[], metavar="KEY=VALUE", help="planner option of side A")
     ap.add_argument("--b", action="append", default=[], metavar="KEY=VALUE", help="planner option of side B")
+    ap.add_argument("--timelines", type=Path, default=None, metavar="DIR",
+                    help="after the timed rounds, one traced step of each side and its simulated timeline here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -54,11 +62,19 @@ def main(argv=None) -> int:
         mg.release(keep=False)  # one arena and one pinned storage at a time
         builds[name] = mg
         moved_in, moved_out = transfer_bytes(mg)
-        rows[name] = {"options": options, "planner": mg.plan.planner,
-                      "simulated_s": simulate(mg, costs, backend="cuda").step_time,
+        sim = simulate(mg, costs, backend="cuda")
+        if args.timelines is not None:
+            args.timelines.mkdir(parents=True, exist_ok=True)
+            sim.write_timeline(args.timelines / f"planner_ab_{args.model}_{name}.sim.json", mg,
+                               meta={"budget": mg.plan.gpu_budget, "options": options})
+        rows[name] = {"options": options, "planner": mg.plan.planner, "simulated_s": sim.step_time,
                       "bytes_h2d": moved_in, "bytes_d2h": moved_out, "compile_s": mg.stats.get("compile_seconds"),
                       "steps_s": []}
     run_alternately(builds, rows, batch, args.rounds, args.steps, args.warmup)
+    if args.timelines is not None:
+        for name, mg in builds.items():
+            engine.run(mg, batch, timeline=args.timelines / f"planner_ab_{args.model}_{name}.json")
+            mg.release(keep=False)
     for name, row in rows.items():
         log.info("%s %s: median %.1f ms, simulated %.1f ms, %.2f GiB in, %.2f GiB out", name, row["options"],
                  row["median_s"] * 1e3, row["simulated_s"] * 1e3, row["bytes_h2d"] / 2**30, row["bytes_d2h"] / 2**30)
