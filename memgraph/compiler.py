@@ -719,8 +719,9 @@ def built_walks(tg, candidates: list[Plan], alignment: int, costs, backend: str,
                 stand: bool = False) -> tuple[list[Built], list[tuple[Plan, InfeasibleBudget]]]:
     """The candidates built, and the refusals of those that left a device short. On CUDA each plan
     is built by the allocate-ahead walk, the ``compact_for`` of them it runs fastest in the simulator
-    by the compact walk too (memgraph/builder.py build_walks; compact_walks says how many). A refusal is raised on one device or
-    for a single candidate, unless ``stand`` (every candidate's refusal is kept and the others stand)."""
+    by the compact walk too (memgraph/builder.py build_walks; compact_walks says how many). A
+    refusal is raised on one device or for a single candidate, unless ``stand`` (every candidate's
+    refusal is kept and the others stand)."""
     found: list[Built] = []
     refused = []  # (plan, refusal) of the candidates that left a device short
     prepared = {}  # id of an allocate-ahead MemGraph -> its plan expanded and scheduled, for its compact walk

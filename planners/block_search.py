@@ -49,9 +49,9 @@ PROBE_SHARE = 0.5
 ROUND_GAIN = 1e-3
 # a round's tied program may run this long; one that reaches it without proving its gap is the last
 # round: a round with more patterns would not prove it sooner. On the H200 exports of gpt1.3b and a
-# Llama, planning took up to 5 s less than with the whole limit per round, with the same picks in
-# the simulator but for gpt1.3b at 50% (+0.8%); a 3 s cap cut a Llama's first round short
-# (bench/results/2026-11-29_h200_block-rounds.md)
+# Llama at 50/25/10%, the simulator's picks stay the same and planning takes up to 2.8 s less than
+# with the whole limit per round; the 65B-shaped LoRA step plans the same plans in 21 s instead of
+# 27 (bench/results/2026-11-29_h200_round-limit.md). A 3 s cap cut a Llama's first round short.
 ROUND_LIMIT = 4.0
 
 
