@@ -13,8 +13,8 @@ the rest of the step (the layers left untied, embedding, head, optimizer items) 
 fixes every option of its instance, need time included, so that program is small and HiGHS solves
 it to its gap in seconds. Its plan starts the next round. The rounds stop when a round's probes
 offer no pattern the last tied program lacked, when the tied program does not beat the plan it
-started from by ROUND_GAIN, when it ran ROUND_LIMIT seconds without proving its gap, or at the
-time limit.
+started from by ROUND_GAIN, when it ran ROUND_SHARE of the time limit without proving its gap, or
+at the time limit.
 
 On the H100 export of gpt1.3b at 50% (2-core CPU, beside the other problem's search): the greedy
 plan is priced at 278.9 ms, the first round's plan at 251.5 (6.4 s), where the program tied by kind
@@ -47,12 +47,13 @@ PROBE_SHARE = 0.5
 # a round whose tied program improves the best plan by less than this (relative) is the last:
 # on the H200 export of a Llama at 25% a second round took 4.3 s to gain 0.07%
 ROUND_GAIN = 1e-3
-# a round's tied program may run this long; one that reaches it without proving its gap is the last
+# a round's tied program may run this share of the search's time (4 s of the default 10 s cap; a
+# longer time_limit lets it run longer); one that reaches it without proving its gap is the last
 # round: a round with more patterns would not prove it sooner. On the H200 exports of gpt1.3b and a
 # Llama at 50/25/10%, the simulator's picks stay the same and planning takes up to 2.8 s less than
 # with the whole limit per round; the 65B-shaped LoRA step plans the same plans in 21 s instead of
 # 27 (bench/results/2026-11-29_h200_round-limit.md). A 3 s cap cut a Llama's first round short.
-ROUND_LIMIT = 4.0
+ROUND_SHARE = 0.4
 
 
 @dataclass
@@ -92,6 +93,7 @@ def search_blocks(problem: Problem, untied: ilp.Formulation, blocks: list[BlockC
     probes solve with all but one instance fixed; it is left as it was."""
     started = time.perf_counter()
     deadline = started + seconds
+    round_limit = ROUND_SHARE * seconds
     best, best_ev, improved = decisions, evaluation, False
     found = [set(block_patterns(problem, block, [(decisions, evaluation)])) for block in blocks]
     offered: list[tuple[BlockClass, list[Pattern]]] | None = None
@@ -115,9 +117,9 @@ def search_blocks(problem: Problem, untied: ilp.Formulation, blocks: list[BlockC
             if best_ev.feasible else None
         cutoff = program.objective(start) if start is not None else None
         left = deadline - time.perf_counter()
-        result = solver.solve(program, start, time_limit=max(min(left, ROUND_LIMIT), 0.1), cutoff=cutoff,
+        result = solver.solve(program, start, time_limit=max(min(left, round_limit), 0.1), cutoff=cutoff,
                               **solver_opts)
-        capped = not result.optimal and left > ROUND_LIMIT
+        capped = not result.optimal and left > round_limit
         tied_better = False
         if result.values is not None:
             dec = from_solution(problem, program, result.values)

@@ -58,12 +58,13 @@ TIME_LIMIT_FLOOR = 1.0
 TIME_LIMIT_CAP = 10.0
 # When the block search beats nothing (its probes and program stay at greedy's plan, a local
 # optimum), the program over every group's options gets what is left of the limit, at most
-# UNTIED_LIMIT seconds, when at least UNTIED_AFTER_BLOCKS are left: on the tests' 12-layer GPT at
-# 10% the rounds ended in 0.3 s at greedy's plan, the untied program proved one 0.8% faster in 2.2 s
-# (2-core CPU); on the H200, gpt1.3b at 25% (3,918 binaries), it found nothing in 10 s, then in 4 s,
-# while its compile took 20 and 11 s (bench/results/2026-11-29_h200_round-limit.md).
+# UNTIED_SHARE of it (2 s of the default 10 s cap), when at least UNTIED_AFTER_BLOCKS seconds are
+# left: on the tests' 12-layer GPT at 10% the rounds ended in 0.3 s at greedy's plan, the untied
+# program proved one 0.8% faster in 2.2 s (2-core CPU); on the H200, gpt1.3b at 25% (3,918
+# binaries), it found nothing in 10 s, then in 4 s, while its compile took 20 and 11 s
+# (bench/results/2026-11-29_h200_round-limit.md).
 UNTIED_AFTER_BLOCKS = 0.5
-UNTIED_LIMIT = 2.0
+UNTIED_SHARE = 0.2
 
 
 def ilp_time_limit(n_binaries: int, measured: bool = False) -> float:
@@ -199,7 +200,7 @@ def _candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, m
         start = ilp.start_values(problem, f, g_ev.options, g_dec.cpu, g_ev.window_time) if g_ev.feasible else None
         # what the ILP must beat: its warm start, the greedy plan, as it prices it
         cutoff = f.objective(start) if start is not None else None
-        left = limit - seconds if search is None else min(limit - seconds, UNTIED_LIMIT)
+        left = limit - seconds if search is None else min(limit - seconds, UNTIED_SHARE * limit)
         result = solver.solve(f, start, time_limit=left, cutoff=cutoff, **solver_opts)
         seconds += result.seconds
         if result.values is not None:

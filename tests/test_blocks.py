@@ -257,10 +257,11 @@ def test_the_greedy_time_bench_times_both_checks_and_restores_the_incremental_on
     assert greedy_module.read_closure is read_closure
 
 
-def test_a_tied_program_stopped_by_the_round_limit_is_the_last_round(gpt_problem, monkeypatch):
-    """The tied program gets at most ROUND_LIMIT seconds of a longer limit; when it stops there
-    without proving its gap, no further round runs (a round with more patterns would not prove it
-    sooner), even if its plan beat the last one."""
+@pytest.mark.parametrize("seconds", [30, 60])
+def test_a_tied_program_stopped_by_the_round_limit_is_the_last_round(gpt_problem, monkeypatch, seconds):
+    """The tied program gets at most ROUND_SHARE of the search's time (a longer time limit, a longer
+    round); when it stops there without proving its gap, no further round runs (a round with more
+    patterns would not prove it sooner), even if its plan beat the last one."""
     from turnip.planners import block_search
 
     problem = gpt_problem
@@ -275,11 +276,12 @@ def test_a_tied_program_stopped_by_the_round_limit_is_the_last_round(gpt_problem
             result.optimal, result.status = False, "Time limit reached"
         return result
 
-    monkeypatch.setattr(block_search, "ROUND_LIMIT", 0.5)
+    monkeypatch.setattr(block_search, "ROUND_SHARE", 0.5 / 60)
     monkeypatch.setattr(block_search, "ROUND_GAIN", -1.0)  # every round would otherwise go on
     monkeypatch.setattr(block_search.solver, "solve", unproven)
-    search = block_search.search_blocks(problem, ilp.formulate(problem), find_blocks(problem), dec, ev, seconds=60)
-    assert limits == [0.5] and search.rounds == 1
+    search = block_search.search_blocks(problem, ilp.formulate(problem), find_blocks(problem), dec, ev,
+                                        seconds=seconds)
+    assert limits == [pytest.approx(0.5 * seconds / 60)] and search.rounds == 1
 
 
 def test_the_tied_program_made_from_a_copy_of_the_untied_one_is_the_one_formulated_with_blocks(gpt_problem):
