@@ -70,7 +70,13 @@ def main(argv=None) -> int:
         rows[name] = {"options": options, "planner": mg.plan.planner, "simulated_s": sim.step_time,
                       "bytes_h2d": moved_in, "bytes_d2h": moved_out, "compile_s": mg.stats.get("compile_seconds"),
                       "steps_s": []}
-    run_alternately(builds, rows, batch, args.rounds, args.steps, args.warmup)
+    def write(rounds_done: int) -> None:
+        write_result(f"planner_ab_{args.model}.json",
+                     {**run_metadata(), "benchmark": "planner_ab", "model": args.model, "budget": args.budget,
+                      "gpu_budget": builds["A"].plan.gpu_budget, "rounds": args.rounds, "rounds_done": rounds_done,
+                      "rows": rows})
+
+    run_alternately(builds, rows, batch, args.rounds, args.steps, args.warmup, after_round=write)
     if args.timelines is not None:
         for name, mg in builds.items():
             engine.run(mg, batch, timeline=args.timelines / f"planner_ab_{args.model}_{name}.json")
@@ -78,9 +84,6 @@ def main(argv=None) -> int:
     for name, row in rows.items():
         log.info("%s %s: median %.1f ms, simulated %.1f ms, %.2f GiB in, %.2f GiB out", name, row["options"],
                  row["median_s"] * 1e3, row["simulated_s"] * 1e3, row["bytes_h2d"] / 2**30, row["bytes_d2h"] / 2**30)
-    out = {**run_metadata(), "benchmark": "planner_ab", "model": args.model, "budget": args.budget,
-           "gpu_budget": builds["A"].plan.gpu_budget, "rounds": args.rounds, "rows": rows}
-    write_result(f"planner_ab_{args.model}.json", out)
     return 0
 
 

@@ -55,14 +55,16 @@ def main(argv=None) -> int:
                    "bytes_h2d": transfer_bytes(mg)[0], "bytes_d2h": transfer_bytes(mg)[1],
                    "reload_reservations": mg.stats.get("reload_reservations", 0), "steps_s": []}
             for name, mg in builds.items()}
-    run_alternately(builds, rows, batch, args.rounds, args.steps, args.warmup)
+    def write(rounds_done: int) -> None:
+        write_result(f"prefetch_ab_{args.model}.json",
+                     {**run_metadata(), "benchmark": "prefetch_ab", "model": args.model, "budget": args.budget,
+                      "gpu_budget": compiled.plan.gpu_budget, "planner": compiled.plan.planner,
+                      "rounds": args.rounds, "rounds_done": rounds_done, "rows": rows})
+
+    run_alternately(builds, rows, batch, args.rounds, args.steps, args.warmup, after_round=write)
     for name, row in rows.items():
         log.info("%-16s median %.1f ms, simulated %.1f ms, %d reload reservations", name, row["median_s"] * 1e3,
                  row["simulated_s"] * 1e3, row["reload_reservations"])
-    out = {**run_metadata(), "benchmark": "prefetch_ab", "model": args.model, "budget": args.budget,
-           "gpu_budget": compiled.plan.gpu_budget, "planner": compiled.plan.planner, "rounds": args.rounds,
-           "rows": rows}
-    write_result(f"prefetch_ab_{args.model}.json", out)
     return 0
 
 

@@ -293,17 +293,22 @@ def ab_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per MemGraph and round")
 
 
-def run_alternately(builds: dict, rows: dict[str, dict], batch, rounds: int, steps: int, warmup: int) -> None:
+def run_alternately(builds: dict, rows: dict[str, dict], batch, rounds: int, steps: int, warmup: int,
+                    after_round: Callable[[int], None] | None = None) -> None:
     """Time each MemGraph of ``builds`` (name -> MemGraph) ``rounds`` times in turn, ``steps`` device-timed
-    steps after ``warmup`` each, appending to ``rows[name]["steps_s"]`` and setting its "median_s". Each
-    is released after its turn, so one arena and one pinned storage exist at a time."""
-    for _ in range(rounds):
+    steps after ``warmup`` each, appending to ``rows[name]["steps_s"]`` and setting its "median_s" (of the
+    steps so far) after every round, then calling ``after_round(rounds done)``: a bench cut short by its
+    time limit keeps the rounds it ran. Each is released after its turn, so one arena and one pinned
+    storage exist at a time."""
+    for done in range(1, rounds + 1):
         for name, mg in builds.items():
             rows[name]["steps_s"] += device_timed_steps(lambda mg=mg: engine.run(mg, batch), steps, warmup)
             mg.release(keep=False)
             log.info("%s: %s ms", name, " ".join(f"{t * 1e3:.1f}" for t in rows[name]["steps_s"][-steps:]))
-    for row in rows.values():
-        row["median_s"] = statistics.median(row["steps_s"])
+        for row in rows.values():
+            row["median_s"] = statistics.median(row["steps_s"])
+        if after_round is not None:
+            after_round(done)
 
 
 def guarded(result: PeerResult, device, body: Callable[[], None], limit_s: float | None = None) -> PeerResult:
