@@ -100,7 +100,8 @@ def suite(args) -> int:
         warmup=args.warmup if args.warmup is not None else (1 if args.tiny else 2), planner=args.planner,
         planner_options=planner_options(args.planner_option),
         tag=args.tag, batch=args.batch, plots=not args.no_plots,
-        isolate=args.isolate or ("none" if args.tiny else "all"), sites=_sites(args.site))
+        isolate=args.isolate or ("none" if args.tiny else "all"), sites=_sites(args.site),
+        compile_again=args.compile_again)
     logging.getLogger(__name__).info("suite: %s", cfg)
     rows = run_suite(cfg)
     print(format_table(rows))
@@ -206,6 +207,9 @@ def main(argv=None) -> int:
                         help="seconds for any one system other than turnip (its process start included)")
     parser.add_argument("--full", action="store_true", help="table: each model's full tables too (the default "
                         "when --results names the folder)")
+    parser.add_argument("--compile-again", action="store_true",
+                        help="suite: after turnip's steps, compile the same step again (op costs cached, no plan "
+                             "cache) and record that compile's time and phases (compile_again_s)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)

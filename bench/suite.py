@@ -85,6 +85,9 @@ class SuiteConfig:
     plots: bool = True
     isolate: str = "all"  # "all": every system in a process of its own; "peers": all but eager and turnip; "none"
     sites: dict[str, list[str]] = field(default_factory=dict)  # system -> sys.path entries first in its process
+    # turnip: after its steps, compile the same step again, op costs now cached, no plan cache (the warm
+    # compile of issue 32): compile_again_s and its phases in the row
+    compile_again: bool = False
 
 
 def parse_budgets(text: str) -> list[float | int]:
@@ -336,7 +339,8 @@ def run_systems(cfg: SuiteConfig, runner: Runner, systems: list[str], label: str
         log.info("%s: running turnip at budget %s", label, budget)
         trace = scratch / f"{budget}.json"
         result = runner.run("turnip", budget=budget, eager_peak=eager_peak, eager_step_s=eager_step,
-                            trace_path=str(trace), planner=cfg.planner, planner_options=cfg.planner_options)
+                            trace_path=str(trace), planner=cfg.planner, planner_options=cfg.planner_options,
+                            compile_again=cfg.compile_again)
         file.add({**make_row(label, result, budget), **idle_by_cause(trace)})
         if result.status == OK and (trace.exists() or trace.with_name(f"{budget}.sim.json").exists()):
             best = trace

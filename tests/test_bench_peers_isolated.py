@@ -129,3 +129,14 @@ def test_turnip_rows_say_the_plans_mix(tmp_path):
     assert mix["kept"] + mix["offloaded"] + mix["recomputed"] + mix["homed_on_cpu"] <= mix["values"]
     assert mix["kept"] > 0 and mix["offloaded"] + mix["recomputed"] + mix["homed_on_cpu"] > 0  # 40% moves something
     assert "unplanned_peak_within_eager" not in row  # the CPU backend measures no eager peak to compare with
+
+
+def test_compile_again_records_the_warm_compile_of_each_turnip_row(tmp_path):
+    """SuiteConfig.compile_again (--compile-again): after its steps each turnip row compiles the same
+    step again, with no plan cache, and records that compile's seconds, phases and planner."""
+    cfg = SuiteConfig(models=["gpt350m"], budgets=[0.4], steps=1, warmup=1, systems=["turnip"], tiny=True,
+                      device="cpu", out=tmp_path, isolate="none", plots=False, compile_again=True)
+    row = next(r for r in run_suite(cfg) if r["system"] == "turnip")
+    assert row["status"] == "ok", row.get("error")
+    assert row["compile_again_s"] > 0 and row["compile_again_planner"] in ("ilp", "greedy")
+    assert set(row["compile_again_phase_s"]) >= {"tracing", "planning", "building"}
