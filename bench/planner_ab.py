@@ -70,6 +70,7 @@ def main(argv=None) -> int:
         rows[name] = {"options": options, "planner": mg.plan.planner, "simulated_s": sim.step_time,
                       "bytes_h2d": moved_in, "bytes_d2h": moved_out, "compile_s": mg.stats.get("compile_seconds"),
                       "steps_s": []}
+
     def write(rounds_done: int) -> None:
         write_result(f"planner_ab_{args.model}.json",
                      {**run_metadata(), "benchmark": "planner_ab", "model": args.model, "budget": args.budget,
