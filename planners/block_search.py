@@ -64,8 +64,8 @@ class Search:
     seconds: float
     improved: bool  # something beat the start
     rounds: int
-    result: solver.SolveResult | None  # the last tied program's answer (None: time ran out before one)
-    program: ilp.Formulation | None  # the last tied program
+    result: solver.SolveResult  # the last tied program's answer (every search solves one at least)
+    program: ilp.Formulation  # the last tied program
 
 
 def spread(count: int) -> list[int]:
@@ -97,7 +97,7 @@ def search_blocks(problem: Problem, untied: ilp.Formulation, blocks: list[BlockC
     best, best_ev, improved = decisions, evaluation, False
     found = [set(block_patterns(problem, block, [(decisions, evaluation)])) for block in blocks]
     offered: list[tuple[BlockClass, list[Pattern]]] | None = None
-    result, program, rounds = None, None, 0
+    rounds = 0
     while True:
         rounds += 1
         probes_started = time.perf_counter()

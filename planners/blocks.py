@@ -75,7 +75,7 @@ def instance_pattern(problem: Problem, instance: BlockInstance, options: list[in
     if any(options[g] < 0 for g in instance.groups):
         return None
     return (tuple(choice_of(problem.groups[g], options[g]) for g in instance.groups),
-            tuple(cpu[i] for i in instance.items))
+            tuple(bool(cpu[i]) for i in instance.items))
 
 
 def element_of(module: str) -> tuple[str, int] | None:

@@ -324,7 +324,7 @@ def start_values(problem: Problem, f: Formulation, options: list[int], cpu: list
     for ii, flag in enumerate(cpu):
         vals[f.y[ii]] = 1.0 if flag else 0.0
     for instance, patterns, z in f.ties:
-        taken = instance_pattern(problem, instance, options, [bool(c) for c in cpu])
+        taken = instance_pattern(problem, instance, options, cpu)
         if taken in patterns:
             vals[z[patterns.index(taken)]] = 1.0
     for k, t in enumerate(f.T):

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 from ... import engine, memgraph
 from ...engine.timing_sim import simulate, time_floor, transfer_bytes
-from ...ir.memgraph import Kind
+from ...ir.memgraph import Kind, MemGraph
 from ...memgraph.report import plan_mix
 from ...planners.costs import CostModel
 from .common import (
@@ -96,16 +97,13 @@ def floor_and_sim(mg, device, eager_step_s: float | None, sim_trace: Path | None
     return out
 
 
-def compiled_again(result: PeerResult, model, workload: Workload, batch, budget, device, planner: str,
-                   planner_options: dict | None) -> None:
-    """The same step compiled a second time, its op costs now cached and no plan cache (issue 32's
-    warm compile): compile_again_s, its phases, planner and simulated step in the row. The time
-    limit running out here costs this figure only."""
+def compiled_again(result: PeerResult, compiled: Callable[..., MemGraph]) -> None:
+    """The row's step compiled a second time by ``compiled`` (run's, which made the first), its op
+    costs now cached and no plan cache (issue 32's warm compile): compile_again_s, its phases,
+    planner and simulated step in the row. The time limit running out here costs this figure only."""
     t0 = time.perf_counter()
     try:
-        again = memgraph.compile(model, workload.loss_fn, batch, optimizer=workload.optimizer(trainable(model)),
-                                 budget=budget, device=device, planner=planner, cache=False, verbose=False,
-                                 **(planner_options or {}))
+        again = compiled(cache=False, verbose=False)
     except TimeLimitExceeded as exc:
         result.extra["compile_again_error"] = str(exc)
         return
@@ -127,12 +125,16 @@ def run(workload: Workload, device, steps: int, budget: float, eager_peak: int |
     def body():
         # the canonical CPU model is only read by the trace; its weights go into the arena at the first run
         model = workload.model
-        optimizer = workload.optimizer(trainable(model))
         batch = workload.batch_on(device)
+
+        def compiled(**more) -> MemGraph:
+            """The row's step compiled, a fresh optimizer over the model each time."""
+            return memgraph.compile(model, workload.loss_fn, batch, optimizer=workload.optimizer(trainable(model)),
+                                    budget=arg, device=device, planner=planner, **(planner_options or {}), **more)
+
         t0 = time.perf_counter()
         try:
-            mg = memgraph.compile(model, workload.loss_fn, batch, optimizer=optimizer, budget=arg, device=device,
-                                  planner=planner, **(planner_options or {}))
+            mg = compiled()
         except memgraph.InfeasibleBudget as exc:
             result.status, result.error = INFEASIBLE, str(exc)[:600]
             result.extra["compile_s"] = time.perf_counter() - t0
@@ -165,7 +167,7 @@ def run(workload: Workload, device, steps: int, budget: float, eager_peak: int |
                 result.extra["trace_error"] = repr(exc)[:300]
         mg.release(keep=False)  # the next system must not find this one's arena still allocated
         if compile_again:
-            compiled_again(result, model, workload, batch, arg, device, planner, planner_options)
+            compiled_again(result, compiled)
         try:
             sim_trace = Path(str(trace_path).removesuffix(".json") + ".sim.json") if trace_path else None
             result.extra.update(floor_and_sim(mg, device, eager_step_s, sim_trace))
