@@ -220,9 +220,10 @@ def test_unsupported_devices_are_clear_errors_before_tracing(device, pattern):
 def test_a_node_belongs_to_the_innermost_module_running_when_it_was_made():
     """_ModuleTracker.module_at: the last span starting at or before the node (spans in node order,
     several may start at one node: the last of them holds), "" before the first."""
+    from turnip.trace.recorder import Recorder
     from turnip.trace.tracer import _ModuleTracker
 
-    tracker = _ModuleTracker(torch.nn.Linear(1, 1))
+    tracker = _ModuleTracker(torch.nn.Linear(1, 1), Recorder())
     tracker.spans = [(2, "a"), (2, "a.b"), (5, ""), (5, "c"), (9, "c.d"), (12, "c")]
 
     def scan(index):

@@ -2,7 +2,7 @@
 
 Libraries branch on tensor values, and when they see a fake tensor they take the path that is safe
 for any value. Hugging Face transformers' ``find_packed_sequence_indices`` reads the position ids to
-tell one sequence per row from several packed ones; under ``make_fx``'s fake tensors it cannot, so
+tell one sequence per row from several packed ones; under the trace's fake tensors it cannot, so
 it returns a mask, and the model then materializes a causal mask per layer and repeats K and V to
 every head instead of calling SDPA with ``is_causal`` and ``enable_gqa`` as the eager step does. The
 traced step then differs from eager's: other kernels (gradients not bitwise equal on the CPU) and
@@ -23,7 +23,10 @@ import sys
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, get_proxy_slot
+from torch.utils import _pytree as pytree
+
+from ..kernels.ops import flatten_returns
+from .recorder import Arg, Recorder
 
 log = logging.getLogger(__name__)
 
@@ -31,48 +34,50 @@ log = logging.getLogger(__name__)
 CHECKS = (("transformers.masking_utils", "find_packed_sequence_indices"),)
 
 
-def constant_value(tensor: torch.Tensor) -> torch.Tensor | None:
+def constant_value(tensor: torch.Tensor, recorder: Recorder) -> torch.Tensor | None:
     """The real value of a traced tensor computed from constants alone (no input of the trace among
-    its ancestors), recomputed from the recorded ops; None when it depends on an input."""
-    mode = get_proxy_mode()
-    if mode is None:
+    its ancestors), recomputed from the recorded ops; None when it depends on an input or on a
+    tensor the recording did not make."""
+    target, output = recorder.made(tensor)
+    if target < 0:
         return None
-    slot = get_proxy_slot(tensor, mode.tracer, None)
-    if slot is None:
-        return None
-    target = slot.proxy.node
+    nodes = recorder.nodes
     needed, stack = set(), [target]
     while stack:
-        node = stack.pop()
-        if node in needed:
+        index = stack.pop()
+        if index in needed:
             continue
-        if node.op == "placeholder":
+        node = nodes[index]
+        if node.kind == "input":
             return None
-        needed.add(node)
-        stack.extend(node.all_input_nodes)
-    env: dict = {}
-    with unset_fake_temporarily(), disable_proxy_modes_tracing():
-        for node in target.graph.nodes:  # graph order is a topological order
-            if node not in needed:
-                continue
-            if node.op == "call_function":
-                args = torch.fx.node.map_arg(node.args, env.__getitem__)
-                kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-                env[node] = node.target(*args, **kwargs)
-            elif node.op == "get_attr":
-                env[node] = getattr(mode.tracer.root, node.target)
-            else:
+        needed.add(index)
+        for arg in node.arguments():
+            if arg.node < 0:
                 return None
-    value = env[target]
+            stack.append(arg.node)
+    env: dict[int, list] = {}
+
+    def real(arg):
+        return env[arg.node][arg.output] if isinstance(arg, Arg) else arg
+
+    with unset_fake_temporarily(), recorder.paused():
+        for index in sorted(needed):  # recording order is a topological order
+            node = nodes[index]
+            if node.kind == "constant":
+                env[index] = [node.value]
+                continue
+            args, kwargs = pytree.tree_map(real, (node.args, node.kwargs))
+            env[index] = flatten_returns(node.target(*args, **kwargs))
+    value = env[target][output]
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _answer_like_eager(check):
+def _answer_like_eager(check, recorder: Recorder):
     def answered(tensor, *args, **kwargs):
         if isinstance(tensor, torch.Tensor):
-            real = constant_value(tensor)
+            real = constant_value(tensor, recorder)
             if real is not None:
-                with unset_fake_temporarily(), disable_proxy_modes_tracing():
+                with unset_fake_temporarily(), recorder.paused():
                     answer = check(real, *args, **kwargs)
                 if answer is None:
                     return None
@@ -82,14 +87,15 @@ def _answer_like_eager(check):
 
 
 @contextlib.contextmanager
-def eager_answers():
-    """Within the block, CHECKS of already imported libraries answer as eager for constant arguments."""
+def eager_answers(recorder: Recorder):
+    """Within the block, CHECKS of already imported libraries answer as eager for arguments computed
+    from constants alone, recomputed from the ops ``recorder`` recorded."""
     patched = []
     for module_name, name in CHECKS:
         module = sys.modules.get(module_name)
         check = getattr(module, name, None) if module is not None else None
         if check is not None:
-            setattr(module, name, _answer_like_eager(check))
+            setattr(module, name, _answer_like_eager(check, recorder))
             patched.append((module, name, check))
     try:
         yield

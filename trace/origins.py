@@ -1,13 +1,14 @@
 """Where traced nodes come from, for refusals that point at the user's code.
 
-While loss_fn runs, ``Origins`` (a TorchFunctionMode) marks the graph nodes each torch call adds with
+While loss_fn runs, ``Origins`` (a TorchFunctionMode) marks the nodes each torch call adds to the
+recording (trace/recorder.py) with
 the module running and the user's source line (the innermost frame outside torch, turnip and the
 standard library), and the autograd nodes it makes carry the same mark into the backward pass;
 a call mixing floating-point dtypes is first put to eager (``_eager_refusal``). ``data_dependent_refusal``
 turns torch's data-dependent errors into an UnsupportedOp at the same place (in a Hugging Face
 experts module, naming the experts implementations that compile), ``kernel_refusal`` the inputs an
-op's kernels refuse (kernels/ops.py KERNEL_LAYOUTS). make_fx records none of
-this: its ``stack_trace`` keeps only frames of functions named "forward".
+op's kernels refuse (kernels/ops.py KERNEL_LAYOUTS), ``not_aten_refusal`` a higher-order operator.
+The ATen ops alone say none of this: the user's lines are Python frames above the dispatcher.
 """
 
 from __future__ import annotations
@@ -24,18 +25,10 @@ from typing import NamedTuple
 import torch
 import torch.fx.experimental.symbolic_shapes
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode
 from torch.overrides import TorchFunctionMode
 
 from ..kernels.ops import op_name
 from .errors import EagerRefusal, SourceLine, UnsupportedOp
-
-
-def node_count() -> int:
-    """Nodes in the graph make_fx is recording now (0 outside a trace)."""
-    mode = get_proxy_mode()
-    return len(mode.tracer.graph.nodes) if mode is not None else 0
-
 
 DATA_DEPENDENT = tuple(
     exc for exc in (
@@ -149,7 +142,7 @@ def _substitutes(x, dtype: torch.dtype | None = None):
 _EAGER_VERDICTS: dict = {}  # (function, argument dtypes, devices) -> eager's exception, or None where it accepts
 
 
-def _eager_refusal(func, args, kwargs, tensors: list[torch.Tensor]) -> Exception | None:
+def _eager_refusal(func, args, kwargs, tensors: list[torch.Tensor], recorder) -> Exception | None:
     """Eager's exception when it refuses this call for its mix of floating-point dtypes, None when
     it accepts it. Fake tensors run meta kernels, and some of them (mm, addmm, layer_norm's CPU
     kernel, index_add_, nll_loss's weight, ...) do not check dtypes as the device kernels do, so a
@@ -174,7 +167,7 @@ def _eager_refusal(func, args, kwargs, tensors: list[torch.Tensor]) -> Exception
     uniform = next(t.dtype for t in tensors if _floating(t))
     cuda = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
     verdict = None
-    with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch._C.DisableTorchFunction(), \
+    with unset_fake_temporarily(), recorder.paused(), torch._C.DisableTorchFunction(), \
             torch.no_grad(), torch.random.fork_rng(devices=cuda):  # a random op must not move eager's generators
         try:
             func(*_substitutes(args), **_substitutes(kwargs))
@@ -192,18 +185,16 @@ def _eager_refusal(func, args, kwargs, tensors: list[torch.Tensor]) -> Exception
 
 class Origins(TorchFunctionMode):
     """Where the traced nodes come from, for refusals. While loss_fn runs, each torch call that adds
-    nodes to the graph marks them with the module running and the user's line that made the call
+    nodes to the recording marks them with the module running and the user's line that made the call
     (the innermost frame outside torch, turnip and the standard library); the autograd nodes it
     makes carry the same mark, so the nodes their backward adds get it too, as phase "backward".
     A call mixing floating-point dtypes is first put to eager (_eager_refusal): what eager refuses
-    is refused here too, as eager's error.
+    is refused here too, as eager's error."""
 
-    make_fx records neither: its node.meta["stack_trace"] (record_stack_traces) keeps only frames of
-    functions named "forward", so it has no line of loss_fn, and backward nodes get none."""
-
-    def __init__(self, modules):
+    def __init__(self, modules, recorder):
         super().__init__()
         self.modules = modules
+        self.recorder = recorder  # trace/recorder.py: its length is the number of nodes recorded so far
         self.spans: list[tuple[int, Origin | None]] = []  # (first node index, origin of the nodes from there on)
         self.failed_in: Origin | None = None  # where the forward was when an exception left it
         self.last: Origin | None = None  # the origin of the last call seen that added nodes
@@ -239,13 +230,13 @@ class Origins(TorchFunctionMode):
         return None
 
     def _backward_of(self, origin: Origin, _grad_outputs) -> None:
-        self.mark(node_count(), origin._replace(phase="backward"))
+        self.mark(len(self.recorder), origin._replace(phase="backward"))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = list(_tensor_args(args, kwargs))
         if len({t.dtype for t in tensors if _floating(t)}) > 1:
-            refused = _eager_refusal(func, args, kwargs, tensors)
+            refused = _eager_refusal(func, args, kwargs, tensors, self.recorder)
             if refused is not None:
                 module = self.modules.path()
                 kinds = ", ".join(f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" for t in tensors)
@@ -256,9 +247,9 @@ class Origins(TorchFunctionMode):
                     f"model.to(dtype), or the batch's tensors .to(dtype))",
                     module_type=self.modules.type_name(module),
                     source=source_line(user_place(live_frames(sys._getframe(1))))) from refused
-        before = node_count()
+        before = len(self.recorder)
         result = func(*args, **kwargs)
-        after = node_count()
+        after = len(self.recorder)
         if after != before:
             origin = Origin(self.modules.path(), user_place(live_frames(sys._getframe(1))))
             self.mark(before, origin)
@@ -375,3 +366,14 @@ def kernel_refusal(err: Exception, origins: Origins) -> EagerRefusal:
                         f"eager PyTorch's kernel refuses these inputs too: {err}" + (f". {advice}" if advice else ""),
                         module_type=origins.modules.type_name(module), source=source, phase=phase,
                         forward_source=forward_source)
+
+
+def not_aten_refusal(err: Exception, origins: Origins) -> UnsupportedOp:
+    """A higher-order operator (torch.cond, flex attention, ...) met by the recording
+    (trace/recorder.py NotAten), as a refusal naming it, the module running and the line."""
+    module, source, phase, forward_source = _failed_at(err, origins)
+    return UnsupportedOp(str(getattr(err, "op", "(an operator)")), module,
+                         "is not an ATen op: turnip runs ATen ops only (a higher-order operator runs Python of "
+                         "its own, which a step of ATen ops cannot replay)",
+                         module_type=origins.modules.type_name(module), source=source, phase=phase,
+                         forward_source=forward_source)

@@ -1,8 +1,9 @@
 """Trace a whole training step (forward, loss, backward, optimizer update) into a TaskGraph.
 
-The forward and backward are recorded by ``make_fx`` on fake tensors of the
-target device, through the real autograd engine, so the ATen ops are the ones
-eager PyTorch runs. The FX graph is then read storage by storage: an op that
+The forward and backward run on fake tensors of the target device, through the
+real autograd engine, so the ATen ops are the ones eager PyTorch runs; recorder.py
+records them (what make_fx records, without its FX graph). The recording is then
+read storage by storage: an op that
 only makes a view becomes a `TensorRef` of its base value; an op that makes a
 new storage becomes a vertex with new values; an in-place op stays in place
 (see `Vertex.copy_in`), module buffers included (BatchNorm's running statistics
@@ -21,7 +22,6 @@ import functools
 import logging
 import math
 import numbers
-import operator
 import sys
 
 import torch
@@ -29,7 +29,7 @@ import torch.fx.experimental.symbolic_shapes
 import torch.utils.checkpoint
 from torch._subclasses import fake_impls
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.immutable_collections import immutable_list
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -47,7 +47,6 @@ from ..kernels.ops import (
     KERNEL_LAYOUTS,
     RUNTIME_SIZED,
     KernelRefusal,
-    flatten_returns,
     is_random,
     op_name,
     out_variant,
@@ -72,11 +71,12 @@ from .origins import (
     data_dependent_refusal,
     kernel_refusal,
     live_frames,
-    node_count,
+    not_aten_refusal,
     source_line,
     user_place,
 )
 from .passes import run_passes, step_passes
+from .recorder import Arg, Node, NotAten, Recorder, Seen, recording, seen
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +111,14 @@ def _refuse_checkpointing(model: torch.nn.Module) -> None:
 
 
 class _ModuleTracker:
-    """Which module each traced node came from: forward hooks record node-count intervals."""
+    """Which module each recorded node came from: forward hooks record node-count intervals."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, recorder: Recorder):
         self.model = model
+        self.node_count = recorder.__len__
         self.stack: list[str] = []
         self.spans: list[tuple[int, str]] = []  # (first node index, innermost module path from there on)
         self._handles = []
-
-    node_count = staticmethod(node_count)
 
     def __enter__(self):
         for name, module in self.model.named_modules():
@@ -241,10 +240,6 @@ def _kernel_layouts():
                 table[op] = previous
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 def _fake_like(mode, t: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:
     with mode:
         fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
@@ -252,7 +247,7 @@ def _fake_like(mode, t: torch.Tensor, device: torch.device, requires_grad: bool)
 
 
 class _GraphReader:
-    """Turns the FX graph into TaskGraph vertices, tracking the current value of every storage."""
+    """Turns the recorded ops into TaskGraph vertices, tracking the current value of every storage."""
 
     def __init__(self, tg: TaskGraph, modules: _ModuleTracker, origins: Origins,
                  forward_spans: list[tuple[int, int]]):
@@ -262,44 +257,43 @@ class _GraphReader:
         self.reading: tuple[str, int] | None = None  # (op, node index) of the node being read, for refusals
         self.forward_spans = forward_spans  # [start, end) node indices of each forward pass (one per micro-batch)
         self.current: dict[int, int] = {}  # storage key -> value id holding its latest version
-        self.vals: dict[torch.fx.Node, object] = {}
         self.module_state: dict[int, int] = {}  # buffer input updated in place -> its storage key
-        self.vertex_nodes: dict[int, int] = {}  # vertex id -> index of the FX node it was read from
+        self.vertex_nodes: dict[int, int] = {}  # vertex id -> index of the node it was read from
 
     def bind_module_state(self) -> None:
         """Each buffer the step updated in place takes its last version at the end of the step."""
         for vid, key in self.module_state.items():
             self.tg.bindings[vid] = self.current[key]
 
-    def bind_input(self, node_val: torch.Tensor, vid: int) -> None:
-        key = _storage_key(node_val)
-        if key in self.current:
+    def bind_input(self, t: Seen, vid: int) -> None:
+        if t.storage in self.current:
             raise UnsupportedFeature(f"input {self.tg.values[vid].name} shares storage with another input")
-        self.current[key] = vid
+        self.current[t.storage] = vid
 
-    def ref(self, t: torch.Tensor) -> TensorRef:
-        return TensorRef(self.current[_storage_key(t)], tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    def ref(self, t: Seen) -> TensorRef:
+        return TensorRef(self.current[t.storage], t.shape, t.stride, t.offset)
 
     def template(self, arg):
-        if isinstance(arg, torch.fx.Node):
-            val = arg.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                return self.ref(val)
-            if val is None or type(val) in (int, float, bool):
-                return val  # a static non-tensor result (e.g. attention's max sequence length)
-            why = f"reads node {arg.name}, which carries a non-tensor value {type(val).__name__}"
-            if self.reading is None:
-                raise UnsupportedFeature(f"the traced step {why}")
-            raise self.refuse(*self.reading, why)
-        if isinstance(arg, (list, tuple)):
+        if isinstance(arg, Arg):
+            return self.ref(arg.seen)
+        if isinstance(arg, Seen):
+            return self.ref(arg)
+        if isinstance(arg, list):  # immutable, as make_fx's nodes held them: a vertex's template is shared by copies
+            return immutable_list(self.template(a) for a in arg)
+        if isinstance(arg, tuple):
             return type(arg)(self.template(a) for a in arg)
         if isinstance(arg, dict):
             return {k: self.template(a) for k, a in arg.items()}
+        if isinstance(arg, torch.SymInt | torch.SymFloat | torch.SymBool):
+            why = f"reads a symbolic value {type(arg).__name__} (a value computed from tensors)"
+            if self.reading is None:
+                raise UnsupportedFeature(f"the traced step {why}")
+            raise self.refuse(*self.reading, why)
         return arg
 
-    def new_value(self, t: torch.Tensor, name: str = "") -> int:
-        vid = self.tg.add_value(t.shape, t.stride(), t.dtype, t.untyped_storage().nbytes(), name=name)
-        self.current[_storage_key(t)] = vid
+    def new_value(self, t: Seen, name: str = "") -> int:
+        vid = self.tg.add_value(t.shape, t.stride, t.dtype, t.nbytes, name=name)
+        self.current[t.storage] = vid
         return vid
 
     def refuse(self, name: str, index: int, why: str) -> UnsupportedOp:
@@ -313,47 +307,44 @@ class _GraphReader:
                              source=source_line(origin.place), phase=origin.phase,
                              forward_source=origin.phase == "backward")
 
-    def read(self, node: torch.fx.Node, index: int) -> None:
+    def read(self, node: Node, index: int) -> None:
         op = node.target
-        if op is operator.getitem:
-            return
-        if not isinstance(op, torch._ops.OpOverload):
-            raise self.refuse(str(op), index, "is not an ATen op: turnip runs ATen ops only")
         name = op_name(op)
         self.reading = (name, index)
         phase = "forward" if any(start <= index < end for start, end in self.forward_spans) else "backward"
         module = self.modules.module_at(index) if phase == "forward" else ""
         if name in RUNTIME_SIZED:
             raise self.refuse(name, index, RUNTIME_SIZED[name])
-        flat = flatten_returns(node.meta.get("val"))
-        if any(not (t is None or isinstance(t, torch.Tensor) or type(t) in (int, float, bool)) for t in flat):
+        flat = node.returns
+        if any(not (t is None or isinstance(t, Seen) or type(t) in (int, float, bool)) for t in flat):
             raise self.refuse(name, index, "returns a symbolic value (a result that depends on tensor values)")
-        results = [t for t in flat if isinstance(t, torch.Tensor)]
+        results = [t for t in flat if isinstance(t, Seen)]
         mutated = []
         for arg_schema, arg in zip(op._schema.arguments, node.args):
             if arg_schema.alias_info is not None and arg_schema.alias_info.is_write:
-                mutated.extend(a.meta["val"] for a in (arg if isinstance(arg, (list, tuple)) else [arg]))
+                mutated.extend(a.seen for a in (arg if isinstance(arg, (list, tuple)) else [arg]) if isinstance(a, Arg))
         for key, arg in node.kwargs.items():
             schema = next((a for a in op._schema.arguments if a.name == key), None)
-            if schema is not None and schema.alias_info is not None and schema.alias_info.is_write:
-                mutated.append(arg.meta["val"])
+            if schema is not None and schema.alias_info is not None and schema.alias_info.is_write \
+                    and isinstance(arg, Arg):
+                mutated.append(arg.seen)
         if name in HIDDEN_MUTATIONS:  # writes arguments its schema does not mark (BatchNorm's running stats)
             flag, positions = HIDDEN_MUTATIONS[name]
             if len(node.args) > flag and node.args[flag] is True:
-                mutated.extend(node.args[i].meta["val"] for i in positions
-                               if i < len(node.args) and isinstance(node.args[i], torch.fx.Node))
+                mutated.extend(node.args[i].seen for i in positions
+                               if i < len(node.args) and isinstance(node.args[i], Arg))
         if mutated:
             self._read_inplace(node, op, name, module, phase, mutated, flat)
             return
-        fresh = [t for t in results if _storage_key(t) not in self.current]
+        fresh = [t for t in results if t.storage not in self.current]
         if not fresh:
             return  # a view: folded into the references of its readers
         args, kwargs = self.template(node.args), self.template(node.kwargs)
         outputs = []  # one entry per flattened return, -1 where it is not a new tensor
         for t in flat:
-            if not isinstance(t, torch.Tensor) or _storage_key(t) in self.current:
+            if not isinstance(t, Seen) or t.storage in self.current:
                 outputs.append(-1)
-            elif t.storage_offset() != 0:
+            elif t.offset != 0:
                 raise self.refuse(name, index, "returns a tensor that does not start at its storage")
             else:
                 outputs.append(self.new_value(t))
@@ -366,7 +357,7 @@ class _GraphReader:
         out= overload, so every output lands in its own buffer as the launcher expects of in-place ops."""
         keys = []
         for t in mutated:
-            key = _storage_key(t)
+            key = t.storage
             if key not in self.current:
                 raise self.refuse(*self.reading, "writes into a tensor the graph does not know")
             val = self.tg.values[self.current[key]]
@@ -379,14 +370,14 @@ class _GraphReader:
                                     f"(of the step's inputs only module buffers may be updated in place)")
             if key not in keys:
                 keys.append(key)
-        fresh = [t for t in flat if isinstance(t, torch.Tensor) and _storage_key(t) not in self.current]
+        fresh = [t for t in flat if isinstance(t, Seen) and t.storage not in self.current]
         variant = None
         if fresh:
             try:
                 variant = out_variant(name)
             except ValueError:
                 variant = None
-            if variant is None or len(fresh) != len(flat) or any(t.storage_offset() != 0 for t in fresh):
+            if variant is None or len(fresh) != len(flat) or any(t.offset != 0 for t in fresh):
                 raise self.refuse(*self.reading, "mutates an argument and also returns a new tensor")
         copy_in, outputs = [], []
         for key in keys:
@@ -554,8 +545,9 @@ def trace_step(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.
     fake_frozen = [_fake_like(fake_mode, p, device, False) for p in frozen.values()]
     fake_buffers = [_fake_like(fake_mode, b, device, False) for b in buffers.values()]
     fake_leaves = [_fake_like(fake_mode, leaves[j], device, False) for _ in range(micros) for j in batch_tensors]
-    modules = _ModuleTracker(model)
-    origins = Origins(modules)
+    recorder = Recorder()
+    modules = _ModuleTracker(model, recorder)
+    origins = Origins(modules, recorder)
     marks = {}
 
     def step(train, froz, bufs, batch_fakes):
@@ -566,23 +558,23 @@ def trace_step(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.
         def micro_loss(fakes):
             slot = dict(zip(batch_tensors, fakes, strict=True))
             batch = pytree.tree_unflatten([slot.get(j, x) for j, x in enumerate(leaves)], batch_spec)
-            start = _ModuleTracker.node_count()
+            start = len(recorder)
             # the guard sees loss_fn's calls first: it names their caller
             with _reparametrize_module(model, mapping, tie_weights=True), modules, origins, guard:
                 loss = loss_fn(model, batch)
             _check_loss(loss, loss_fn)
             with torch._C.DisableTorchFunction():
                 origins.adopt([loss])  # the loss of a custom autograd.Function
-            marks["forward"].append((start, _ModuleTracker.node_count()))
+            marks["forward"].append((start, len(recorder)))
             return loss
 
         if not backward:
             slot = dict(zip(batch_tensors, batch_fakes, strict=True))
             batch = pytree.tree_unflatten([slot.get(j, x) for j, x in enumerate(leaves)], batch_spec)
-            start = _ModuleTracker.node_count()
+            start = len(recorder)
             with torch.no_grad(), _reparametrize_module(model, mapping, tie_weights=True), modules, origins:
                 named = forward_outputs(loss_fn(model, batch))
-            marks["forward"].append((start, _ModuleTracker.node_count()))
+            marks["forward"].append((start, len(recorder)))
             marks["outputs"] = [name for name, _ in named]
             return [t for _, t in named]
 
@@ -591,12 +583,12 @@ def trace_step(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.
         if devices > 1:
             losses, per_device = [], []
             for m, fakes in enumerate(split(batch_fakes, devices)):
-                start = _ModuleTracker.node_count()
+                start = len(recorder)
                 losses.append(micro_loss(fakes))
                 per_device.append(torch.autograd.grad(losses[-1], train, allow_unused=True) if train else ())
-                marks["micro"].append((start, _ModuleTracker.node_count(), m))
-            origins.mark(_ModuleTracker.node_count(), None)  # the backward passes end here
-            grads = averaged_gradients(per_device, marks["reduce"], _ModuleTracker.node_count)
+                marks["micro"].append((start, len(recorder), m))
+            origins.mark(len(recorder), None)  # the backward passes end here
+            grads = averaged_gradients(per_device, marks["reduce"], recorder.__len__)
             loss, stacked = mean_loss(losses)
             per_micro = [stacked]
         elif steps == 1:
@@ -607,7 +599,7 @@ def trace_step(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.
             loss, stacked = loss_outputs(losses)
             per_micro = [stacked]
         if devices == 1:
-            origins.mark(_ModuleTracker.node_count(), None)  # the backward passes end here
+            origins.mark(len(recorder), None)  # the backward passes end here
         if max_grad_norm is not None:
             grads = clipped_gradients(grads, max_grad_norm, norm_type)  # the accumulated gradients, as eager clips
         marks["has_grad"] = [g is not None for g in grads]
@@ -616,10 +608,16 @@ def trace_step(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.
     try:
         # library checks of batch-independent values, and the layouts of ops whose meta kernel is not
         # their kernels', answered as eager answers them
-        with eager_answers(), _kernel_layouts():
-            gm = make_fx(step, tracing_mode="fake")(fake_train, fake_frozen, fake_buffers, fake_leaves)
+        with eager_answers(recorder), _kernel_layouts():
+            for fake in (*fake_train, *fake_frozen, *fake_buffers, *fake_leaves):
+                recorder.add_input(fake)
+            with fake_mode, recording(recorder):
+                traced_outputs = step(fake_train, fake_frozen, fake_buffers, fake_leaves)
+            traced_outputs = [seen(t, recorder.storages) if isinstance(t, torch.Tensor) else t for t in traced_outputs]
     except DATA_DEPENDENT as err:
         raise data_dependent_refusal(err, origins) from err
+    except NotAten as err:
+        raise not_aten_refusal(err, origins) from err
     except KernelRefusal as err:
         raise kernel_refusal(err, origins) from err
 
@@ -630,7 +628,7 @@ def trace_step(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.
     leaf_names = batch_leaf_names(tg.batch_spec)
     tg.accumulation_steps = steps
     reader = _GraphReader(tg, modules, origins, marks["forward"])
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in recorder.nodes if n.kind == "input"]
     groups = [("param", trainable, ValueKind.PARAMETER), ("param", frozen, ValueKind.FROZEN),
               ("buffer", buffers, ValueKind.FROZEN)]
     inputs = []
@@ -645,8 +643,8 @@ def trace_step(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.
         raise RuntimeError(f"traced {len(placeholders)} inputs, expected {len(inputs)}")
     input_vid = {}
     for node, (name, kind, tensor) in zip(placeholders, inputs):
-        val = node.meta["val"]
-        vid = tg.add_value(val.shape, val.stride(), val.dtype, val.untyped_storage().nbytes(), kind, name=name)
+        val = node.returns[0]
+        vid = tg.add_value(val.shape, val.stride, val.dtype, val.nbytes, kind, name=name)
         reader.bind_input(val, vid)
         input_vid[name] = vid
         if kind is ValueKind.BATCH:
@@ -661,25 +659,25 @@ def trace_step(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.
             for key in by_identity.get(id(tensor), []):
                 tg.state_names[key] = input_vid[f"{prefix}:{name}"]
 
-    out_node = None
-    for index, node in enumerate(gm.graph.nodes):
-        if node.op == "call_function":
+    constants = 0
+    for index, node in enumerate(recorder.nodes):
+        if node.kind == "op":
             reader.read(node, index)
-        elif node.op == "get_attr":
-            const = getattr(gm, node.target)
-            vid = tg.add_value(const.shape, const.stride(), const.dtype, const.untyped_storage().nbytes(),
-                               ValueKind.CONSTANT, name=f"constant:{node.target}")
-            tg.initial_state[vid] = const.detach()
-            reader.bind_input(node.meta.get("val", const), vid)
-        elif node.op == "output":
-            out_node = node
+        elif node.kind == "constant":
+            val = node.returns[0]
+            # named as make_fx named a lifted constant: a step traces to the TaskGraph (and plan cache key) it did
+            vid = tg.add_value(val.shape, val.stride, val.dtype, val.nbytes, ValueKind.CONSTANT,
+                               name=f"constant:_tensor_constant{constants}")
+            constants += 1
+            tg.initial_state[vid] = node.value.detach()
+            reader.bind_input(val, vid)
     reader.bind_module_state()
     if not backward:
-        for name, node in zip(marks["outputs"], out_node.args[0], strict=True):
-            tg.outputs[name] = reader.dense_value(reader.template(node), phase="forward")
+        for name, out in zip(marks["outputs"], traced_outputs, strict=True):
+            tg.outputs[name] = reader.dense_value(reader.template(out), phase="forward")
         log.info("traced %d vertices, %d values (forward only)", len(tg.vertices), len(tg.values))
         return TracedStep(tg, step_passes(donate=donate))
-    loss_node, *grad_nodes = out_node.args[0]
+    loss_node, *grad_nodes = traced_outputs
     tg.outputs["loss"] = reader.dense_value(reader.template(loss_node))
     if micros > 1:
         losses_node, *grad_nodes = grad_nodes
