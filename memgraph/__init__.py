@@ -16,8 +16,10 @@ from ..trace.errors import UnsupportedFeature, UnsupportedOp
 from ..trace.tracer import trace
 from .builder import build
 from .checker import verify
+from .checkpoint import load_checkpoint, save_checkpoint
 from .compiler import compile
 from .ranks import gather_optimizer_state_dict, gather_state_dict
 
 __all__ = ["InfeasibleBudget", "MemGraph", "ReferenceExecutor", "TaskGraph", "UnsupportedFeature", "UnsupportedOp",
-           "build", "compile", "dump", "gather_optimizer_state_dict", "gather_state_dict", "load", "trace", "verify"]
+           "build", "compile", "dump", "gather_optimizer_state_dict", "gather_state_dict", "load", "load_checkpoint",
+           "save_checkpoint", "trace", "verify"]
