@@ -695,9 +695,10 @@ COMPACT_FOR = 2
 # ... and only at budgets of at least this share of the unplanned peak: in the 101 replan tables
 # where both walks were built (bench/results/h100/replan_blocks/, analytic/s1*), the compact walk
 # ran fastest only at 52-62% (15 of 20 tables there); in the 56 below 40% its best was 4.2-20%
-# slower than the allocate-ahead walk's, in the 25 at 40-51% 1-7% slower. Below it, a compile at
-# 25% or 10% builds and simulates two MemGraphs fewer.
-COMPACT_ABOVE = 0.4
+# slower than the allocate-ahead walk's, in the 25 at 40-51% 1-7% slower. Below it, a compile
+# builds and simulates two MemGraphs fewer: gpt1.3b at the suite's 50% (51% of its unplanned peak)
+# 0.4-0.6 s of a 10 s compile on the H200, whose compact walks simulated 25-44% slower there.
+COMPACT_ABOVE = 0.52
 
 
 def compact_walks(budget: int, peak: int) -> int:
