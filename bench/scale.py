@@ -92,7 +92,7 @@ from ..engine.timing_sim import nominal_durations, simulate
 from ..ir.budget import format_bytes
 from ..ir.errors import InfeasibleBudget
 from ..ir.step_file import load_step
-from ..ir.taskgraph import TaskGraph, TensorRef, ValueKind
+from ..ir.taskgraph import TaskGraph, ValueKind, iter_refs
 from ..memgraph.builder import build_walks
 from ..memgraph.compiler import everything_kept, plan_step
 from ..memgraph.progress import Phases
@@ -196,14 +196,7 @@ class Gradient:
 
 def value_ids(args) -> Iterable[int]:
     """The value ids of every TensorRef in a vertex's (nested) args."""
-    if isinstance(args, TensorRef):
-        yield args.value
-    elif isinstance(args, (list, tuple)):
-        for arg in args:
-            yield from value_ids(arg)
-    elif isinstance(args, dict):
-        for arg in args.values():
-            yield from value_ids(arg)
+    return (ref.value for ref in iter_refs(args))
 
 
 def gradients(tg: TaskGraph) -> list[Gradient]:
