@@ -98,3 +98,48 @@ def test_the_recording_keeps_each_argument_as_the_op_saw_it():
     assert [a.node for n in negs for a in n.arguments()] == [made_by[torch.ops.aten.clone.default],
                                                              made_by[torch.ops.aten.t_.default]]
 
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_gpt2"])
+def test_the_recording_holds_the_ops_make_fx_records(name):
+    """The recorder stands in for make_fx: on the same forward and backward over the same fake
+    tensors, it records the same ATen ops in the same order (a torch whose make_fx records more or
+    other ops than the recorder would trace another step than the one eager runs)."""
+    from cases import make_case
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    model, loss_fn, batches = make_case(name)
+    names = [n for n, _ in model.named_parameters()]
+
+    def step(params, batch):
+        loss = loss_fn(_Bound(model, dict(zip(names, params))), batch)
+        return torch.autograd.grad(loss, params)
+
+    fake_mode = FakeTensorMode()
+    params = [fake_mode.from_tensor(p).requires_grad_() for p in model.parameters()]
+    batch = [fake_mode.from_tensor(b) if isinstance(b, torch.Tensor) else b for b in batches[0]] \
+        if isinstance(batches[0], (list, tuple)) else fake_mode.from_tensor(batches[0])
+    graph = make_fx(step, tracing_mode="fake")(params, batch)
+    by_make_fx = [str(n.target) for n in graph.graph.nodes
+                  if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    recorder = Recorder()
+    with fake_mode, recording(recorder):
+        step(params, batch)
+    recorded = [str(n.target) for n in recorder.nodes if n.kind == "op"]
+    assert recorded == by_make_fx
+    assert len(recorded) > 100
+
+
+class _Bound(nn.Module):
+    """The model called with other parameters (torch.func.functional_call), as the tracer binds its
+    fake parameters."""
+
+    def __init__(self, model, params):
+        super().__init__()
+        self.model, self.params = model, params
+
+    def forward(self, *args, **kwargs):
+        from torch.func import functional_call
+
+        return functional_call(self.model, self.params, args, kwargs)
