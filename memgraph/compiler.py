@@ -293,7 +293,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                     if len(layouts) == 1:
                         progress.describe("planning", _planning_detail(planner, planner_options))
                     layout.candidates = plan_step(layout.tg, gpu_budget, cpu_bytes, planner, device, costs, alignment,
-                                                  progress, planner_options, host_update)
+                                                  progress, planner_options, host_update,
+                                                  planned=layout.built_ahead(alignment, costs, device.type))
 
         def stored(mg: MemGraph, layout: Layout, cpu_bytes: int | None) -> MemGraph:
             if planner != "none":
@@ -311,7 +312,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
 
             def built(candidates: list[Plan]) -> tuple[MemGraph, InfeasibleBudget | None]:
                 mg, walk, short = build_candidates(tg, candidates, alignment, costs, device.type,
-                                                   compact_walks(gpu_budget, layout.peak))
+                                                   compact_walks(gpu_budget, layout.peak), layout.ahead)
                 mg.stats["build_walk"] = walk
                 return mg, short
 
@@ -506,7 +507,8 @@ def _planning_detail(planner: str, options: dict) -> str:
 
 
 def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: torch.device, costs, alignment: int,
-              progress: Phases, options: dict, host_update: str = "off", scale: float = 1.0) -> list[Plan]:
+              progress: Phases, options: dict, host_update: str = "off", scale: float = 1.0,
+              planned=None) -> list[Plan]:
     """The plans to build: on CUDA with planner "auto" every candidate (the simulator picks), each
     also with its updates on the host (host_update "auto"), else the one plan (host_update "all":
     with every update on the host). The progress bar names what the planner does (greedy, the
@@ -521,7 +523,8 @@ def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: 
     holds each device to its own budget, evicting where a device's share of the plan does not fit.
     Not modelled yet: each device's link against the host's total, device-to-device transfers, the
     owners' unequal shares; and a weight homed on the host is stored once per replica. scale: plan
-    for that fraction of the budget (built_on_every_device's second try)."""
+    for that fraction of the budget (built_on_every_device's second try). planned: given each
+    planning problem's plans as soon as they are made (planners.driver.plan_candidates)."""
     def describe(detail: str) -> None:
         progress.describe("planning", detail)
 
@@ -529,7 +532,7 @@ def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: 
     every_candidate = planner == "auto" and device.type == "cuda"
     if every_candidate:
         plans = plan_candidates(tg, plan_budget, cpu_bytes, costs=costs, alignment=alignment, describe=describe,
-                                **options)
+                                planned=planned, **options)
     else:
         plans = [make_plan(tg, plan_budget, cpu_bytes, planner, costs=costs, alignment=alignment, describe=describe,
                            **options)]
@@ -575,6 +578,28 @@ class Layout:
     key: str | None = None
     hit: object | None = None
     candidates: list[Plan] | None = None
+    # id of a candidate plan -> its allocate-ahead walk, built while the other planning problem solved
+    ahead: dict[int, tuple[object, MemGraph]] = dataclasses.field(default_factory=dict)
+
+    def built_ahead(self, alignment: int, costs, backend: str):
+        """What plan_step calls with each planning problem's plans as soon as they are made: on CUDA
+        with one device, their allocate-ahead walks built and simulated then, on the planning thread,
+        while the other problem's ILP solves (HiGHS releases the GIL), not after it. A plan that does
+        not build is left to built_walks, which builds it again and says why."""
+        if backend != "cuda" or self.tg.devices > 1:  # on several devices plan_step makes new plans
+            return None
+
+        def build_now(plans: list[Plan]) -> None:
+            for plan in plans:
+                try:
+                    ready = prepare(self.tg, plan, alignment)
+                    mg = build_walks(self.tg, plan, alignment=alignment, walks=("ahead",), prepared=ready)["ahead"]
+                except InfeasibleBudget:
+                    continue
+                simulated_step(mg, costs, backend)
+                self.ahead[id(plan)] = (ready, mg)
+
+        return build_now
 
     @property
     def name(self) -> str:
@@ -717,19 +742,25 @@ class Built:
 
 
 def built_walks(tg, candidates: list[Plan], alignment: int, costs, backend: str, compact_for: int = COMPACT_FOR,
-                stand: bool = False) -> tuple[list[Built], list[tuple[Plan, InfeasibleBudget]]]:
+                stand: bool = False, ahead: dict | None = None) -> tuple[list[Built], list[tuple[Plan, InfeasibleBudget]]]:
     """The candidates built, and the refusals of those that left a device short. On CUDA each plan
     is built by the allocate-ahead walk, the ``compact_for`` of them it runs fastest in the simulator
     by the compact walk too (memgraph/builder.py build_walks; compact_walks says how many). A
     refusal is raised on one device or for a single candidate, unless ``stand`` (every candidate's
-    refusal is kept and the others stand)."""
+    refusal is kept and the others stand). ahead: {id of a plan: (its preparation, its allocate-ahead
+    MemGraph)} already built (Layout.built_ahead)."""
+    ahead = ahead or {}
     found: list[Built] = []
     refused = []  # (plan, refusal) of the candidates that left a device short
     prepared = {}  # id of an allocate-ahead MemGraph -> its plan expanded and scheduled, for its compact walk
     for k, plan in enumerate(candidates):
         # on several devices a plan made for all of them as one may leave one device short: the others stand
         try:
-            if backend == "cuda":
+            if backend == "cuda" and id(plan) in ahead:
+                ready, mg = ahead[id(plan)]
+                built = {"ahead": mg}
+                prepared[id(mg)] = ready
+            elif backend == "cuda":
                 ready = prepare(tg, plan, alignment)
                 built = build_walks(tg, plan, alignment=alignment, walks=("ahead",), prepared=ready)
                 prepared[id(built["ahead"])] = ready
@@ -752,12 +783,13 @@ def built_walks(tg, candidates: list[Plan], alignment: int, costs, backend: str,
 
 
 def build_candidates(tg, candidates: list[Plan], alignment: int, costs, backend: str,
-                     compact_for: int = COMPACT_FOR) -> tuple[MemGraph, str | None, InfeasibleBudget | None]:
+                     compact_for: int = COMPACT_FOR, ahead: dict | None = None
+                     ) -> tuple[MemGraph, str | None, InfeasibleBudget | None]:
     """The MemGraph of the plans (built_walks) the simulator runs fastest, amended where that runs
     faster (amended_if_faster), which walk of the builder made it ("ahead", "compact"; None where
     build chose by itself), and the refusal of a candidate that left a device short though the planner
     predicted it faster than every one that built (favourite_refused)."""
-    found, refused = built_walks(tg, candidates, alignment, costs, backend, compact_for)
+    found, refused = built_walks(tg, candidates, alignment, costs, backend, compact_for, ahead=ahead)
     if not found:
         raise refused[0][1]
     mgs = [b.mg for b in found]

@@ -114,13 +114,17 @@ def run_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, meth
 
 def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
                     time_limit: float | None = None, costs: CostModel | None = None,
-                    describe: Describe | None = None, **opts) -> list[Plan]:
+                    describe: Describe | None = None, planned: Callable[[list[Plan]], None] | None = None,
+                    **opts) -> list[Plan]:
     """Plans worth building and comparing (memgraph.compile simulates each built one): the plan
     run_plan returns, then the greedy plan the ILP started from when it fits the model too; and,
     for method "auto" without an explicit headroom, the same two planned against the whole budget
     (headroom 1.0). The default headroom keeps slack for fragmentation and prefetching, which costs
     transfers when the budget is only just below the peak; whether the builder fits a plan of the
-    whole budget without evicting more is known only once built."""
+    whole budget without evicting more is known only once built.
+
+    planned: called on a planning thread with each problem's plans as soon as they are made, while
+    the other problem may still be solving (memgraph.compile builds them there)."""
     if not (method == "auto" and "headroom" not in opts):
         return _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, describe, **opts)
     costs = costs if costs is not None else default_costs(tg)
@@ -141,10 +145,15 @@ def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = Non
     # The problems are planned side by side: HiGHS releases the GIL while it solves, so one problem's
     # greedy search and ILP run while another's ILP does (compile time drops by about one ILP time
     # limit per extra problem on a machine with two cores).
+    def plans_of(problem: Problem, variant: dict) -> list[Plan]:
+        plans = _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, describe, problem=problem,
+                            ranked=ranked, **opts, **variant)
+        if planned is not None:
+            planned(plans)
+        return plans
+
     with ThreadPoolExecutor(max_workers=len(variants), thread_name_prefix="turnip-plan") as pool:
-        futures = [pool.submit(_candidates, tg, gpu_budget, cpu_budget, method, time_limit, costs, describe,
-                               problem=problem, ranked=ranked, **opts, **variant)
-                   for problem, variant in zip(problems, variants)]
+        futures = [pool.submit(plans_of, problem, variant) for problem, variant in zip(problems, variants)]
         return [plan for future in futures for plan in future.result()]
 
 

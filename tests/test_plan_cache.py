@@ -294,3 +294,33 @@ def test_the_compact_walk_is_built_only_near_the_peak(traced):
         assert not refused
         assert sorted(b.walk for b in found) == sorted(["ahead"] * len(candidates) + ["compact"] * compact_for)
         assert {b.index for b in found} == set(range(len(candidates)))
+
+
+def test_the_walks_built_while_planning_are_the_ones_built_after_it(traced):
+    """Layout.built_ahead: each planning problem's plans built (allocate-ahead walk) and simulated on
+    the planning thread as soon as they are made; built_walks then takes those MemGraphs as they
+    are, and builds what it would have built after planning, the same."""
+    tg, costs = traced
+    keep_all, peak = compile_module.everything_kept(tg, 64)
+    layout = compile_module.Layout(tg, keep_all, peak, casts_travel=False)
+    handed = []
+
+    def planned(plans):
+        handed.append(len(plans))
+        layout.built_ahead(64, costs, "cuda")(plans)
+
+    candidates = driver.plan_candidates(tg, int(0.5 * tg.live_peak(alignment=64)), alignment=64, costs=costs,
+                                        planned=planned)
+    assert sum(handed) == len(candidates) and len(handed) == 2  # each problem's plans, once each
+    assert set(layout.ahead) == {id(plan) for plan in candidates}
+    assert all("simulated_step_s" in mg.stats for _, mg in layout.ahead.values())
+    early, _ = compile_module.built_walks(tg, candidates, 64, costs, "cuda", 1, ahead=layout.ahead)
+    late, _ = compile_module.built_walks(tg, candidates, 64, costs, "cuda", 1)
+    assert [(b.index, b.walk) for b in early] == [(b.index, b.walk) for b in late]
+    for e, lt in zip(early, late):
+        if e.walk == "ahead":
+            assert e.mg is layout.ahead[id(e.plan)][1]
+        assert (len(e.mg.vertices), e.mg.arena_bytes, len(e.mg.edges)) == (len(lt.mg.vertices), lt.mg.arena_bytes,
+                                                                           len(lt.mg.edges))
+        assert compile_module.simulated_step(e.mg, costs, "cuda") == compile_module.simulated_step(lt.mg, costs, "cuda")
+    assert compile_module.Layout(tg, keep_all, peak, casts_travel=False).built_ahead(64, costs, "cpu") is None
