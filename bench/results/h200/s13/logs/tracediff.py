@@ -1,13 +1,23 @@
 """This tree's tracer against the session-start tree's (scratch/oldpkg/turnip_old) on the bench workloads:
-the same TaskGraph (digests of the traced and finished graphs) and the tracing seconds, alternately."""
-import json, sys, time, gc
+the same TaskGraph (digests of the traced and finished graphs) and the tracing seconds, alternately.
+
+    python3 scratch/tracediff.py cuda OUT.json gpt1.3b,llama,gpt350m 3
+
+scratch/oldpkg/turnip_old is the session start (git archive 45ec163): its turnip/ folder as the package,
+with ir, trace, memgraph, planners, engine, kernels and bench copied into it."""
+import gc
+import json
+import sys
+import time
+
 import torch
+
 sys.path.insert(0, "scratch/oldpkg")
 import turnip.trace.tracer as new
 import turnip_old.trace.tracer as old
+from turnip.bench.models.sizes import make_workload
 from turnip.planners.cache import taskgraph_digest as dnew
 from turnip_old.planners.cache import taskgraph_digest as dold
-from turnip.bench.models.sizes import make_workload
 
 device = sys.argv[1]
 rows = []
@@ -31,4 +41,5 @@ for name in sys.argv[3].split(","):
     print(json.dumps(row), flush=True)
     rows.append(row)
     del w, graphs
-json.dump({"torch": torch.__version__, "rows": rows}, open(sys.argv[2], "w"), indent=1)
+with open(sys.argv[2], "w") as out:
+    json.dump({"torch": torch.__version__, "rows": rows}, out, indent=1)
