@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from cases import make_case
 from test_devices import adamw
-from test_ranks import STEPS, run_ranks
+from test_ranks import data_parallel_steps, eager_step, run_ranks
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -28,21 +28,6 @@ from turnip import engine, memgraph
 RANKS = 2
 # torch.distributed.checkpoint warns, in a process without a process group, that it reads and writes alone
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-def data_parallel_steps(batches: list, ranks: int) -> list[list]:
-    """Per step, every rank's micro-batch in rank order (as tests/test_ranks.py feeds the ranks)."""
-    return [[batches[(s * ranks + r) % len(batches)] for r in range(ranks)] for s in range(STEPS)]
-
-
-def eager_step(model, opt, loss_fn, micro_batches: list) -> None:
-    """One eager step as DDP makes it: every micro-batch accumulated in order, then averaged."""
-    opt.zero_grad()
-    for batch in micro_batches:
-        loss_fn(model, batch).backward()
-    for p in model.parameters():
-        p.grad /= len(micro_batches)
-    opt.step()
 
 
 def eager_from_checkpoint(model, make_opt, checkpoint):

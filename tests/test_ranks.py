@@ -267,18 +267,28 @@ def test_weights_sent_after_their_update_go_out_some_buckets_later(behind):
         assert ("optimizer" in phases[:last_bucket]) == (behind is not None), (rank, phases)
 
 
+def data_parallel_steps(batches: list, ranks: int) -> list[list]:
+    """Per step, every rank's micro-batch in rank order."""
+    return [[batches[(s * ranks + r) % len(batches)] for r in range(ranks)] for s in range(STEPS)]
+
+
+def eager_step(model, opt, loss_fn, micro_batches: list) -> None:
+    """One eager step as DDP makes it: every micro-batch accumulated in order, then averaged."""
+    opt.zero_grad()
+    for batch in micro_batches:
+        loss_fn(model, batch).backward()
+    for p in model.parameters():
+        p.grad /= len(micro_batches)
+    opt.step()
+
+
 def _saves_resumes_and_gathers(rank: int, ranks: int, folder: str) -> str:
     model, loss_fn, batches = make_case("gpt")
-    steps = [[batches[(s * ranks + r) % len(batches)] for r in range(ranks)] for s in range(STEPS)]
+    steps = data_parallel_steps(batches, ranks)
     eager = copy.deepcopy(model)
     eager_opt = adamw(eager.parameters())
     for micro in steps:  # eager_data_parallel's loop, keeping the optimizer
-        eager_opt.zero_grad()
-        for batch in micro:
-            loss_fn(eager, batch).backward()
-        for p in eager.parameters():
-            p.grad /= len(micro)
-        eager_opt.step()
+        eager_step(eager, eager_opt, loss_fn, micro)
     mine = copy.deepcopy(model)
     opt = adamw(mine.parameters())
     mg = memgraph.compile(mine, loss_fn, batches[0], optimizer=opt, device="cpu", budget=0.6, verbose=False)
