@@ -17,7 +17,16 @@ import logging
 import threading
 import time
 
-from .memory import Decisions, Evaluation, evaluate, item_seconds, need_times, read_closure, structural_problems
+from .memory import (
+    Decisions,
+    Evaluation,
+    evaluate,
+    exceeds_cap_after,
+    item_seconds,
+    need_times,
+    read_closure,
+    structural_problems,
+)
 from .model import KEEP, OFFLOAD, RECOMPUTE, Problem
 
 log = logging.getLogger(__name__)
@@ -236,6 +245,10 @@ def _undo(problem: Problem, dec: Decisions, ev: Evaluation, moves: list[Move], b
             trial.groups[i] = KEEP
         else:
             trial.cpu[i] = False
+        groups, items = ([i], []) if what == "group" else ([], [i])
+        if exceeds_cap_after(problem, ev, trial, groups, items):
+            stats["screened"] = stats.get("screened", 0) + 1
+            continue
         e = evaluate(problem, trial)
         stats["evaluations"] += 1
         if e.feasible and e.objective <= ev.objective:

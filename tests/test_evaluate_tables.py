@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 from test_planners import SMALL, SMALL_HOST, _traced
 from turnip.planners.driver import make_problem
+from turnip.planners.greedy import greedy
 from turnip.planners.memory import (
     TIE_BREAK,
     Decisions,
     Evaluation,
     evaluate,
+    exceeds_cap_after,
     item_seconds,
     need_times,
     option_seconds,
@@ -149,3 +151,46 @@ def test_evaluate_is_the_loop_bit_for_bit_on_a_gpt_step():
         dec = random_decisions(rng, problem)
         same(evaluate(problem, dec), loop_evaluate(problem, dec))
         assert structural_problems(problem, dec) == loop_structural_problems(problem, dec)
+
+
+def _undo_trials(problem: Problem, rng: random.Random, tries: int = 40):
+    """(feasible decisions, their evaluation, a trial undoing one of their moves, groups, items)."""
+    start, _, _ = greedy(problem)
+    for _ in range(tries):
+        dec = start.copy()  # the greedy's plan, with more moved or recomputed at random
+        for gi, kind in enumerate(dec.groups):
+            if kind == KEEP and rng.random() < 0.2:
+                dec.groups[gi] = rng.choice((OFFLOAD, RECOMPUTE))
+        dec.cpu = [on_cpu or rng.random() < 0.1 for on_cpu in dec.cpu]
+        ev = evaluate(problem, dec)
+        if not ev.feasible:
+            continue
+        for gi, kind in enumerate(dec.groups):
+            if kind != KEEP:
+                trial = dec.copy()
+                trial.groups[gi] = KEEP
+                yield ev, trial, [gi], []
+        for ii, on_cpu in enumerate(dec.cpu):
+            if on_cpu:
+                trial = dec.copy()
+                trial.cpu[ii] = False
+                yield ev, trial, [], [ii]
+
+
+@pytest.mark.parametrize("cap_share", [0.3, 0.5, 0.7])
+def test_the_undo_screen_refuses_exactly_what_evaluate_finds_over_the_cap(cap_share):
+    """The greedy's undo skips a trial that exceeds_cap_after says is over the cap or outside the
+    option space: that must be every trial evaluate puts over the cap, and never one it finds
+    feasible, so the greedy's plans are the ones of evaluating every trial."""
+    tg, peak = _traced(GPTConfig(), batch=2)
+    problem = make_problem(tg, int(peak * cap_share), alignment=64)
+    rng = random.Random(cap_share)
+    screened = fitting = 0
+    for ev, trial, groups, items in _undo_trials(problem, rng):
+        full = evaluate(problem, trial)
+        said = exceeds_cap_after(problem, ev, trial, groups, items)
+        assert said == (full.peak > problem.cap or any(
+            "cannot" in r or "absent" in r for r in full.reason.split("; "))), (groups, items, full.reason)
+        screened += said
+        fitting += not said
+    assert screened and fitting  # both verdicts were put to the test
