@@ -11,10 +11,10 @@ A *round* probes PROBES instances of each class, then solves the tied program (t
 with the block rows, ilp.tie_blocks): every tied instance takes one of the patterns found so far,
 the rest of the step (the layers left untied, embedding, head, optimizer items) is free. A pattern
 fixes every option of its instance, need time included, so that program is small and HiGHS solves
-it to its gap in seconds. Its plan starts the next round. The rounds stop after MAX_ROUNDS (one
-by default), when a round's probes offer no pattern the last tied program lacked, when the tied
-program does not beat the plan it started from by ROUND_GAIN, when it ran ROUND_SHARE of the time
-limit without proving its gap, or at the time limit.
+it to its gap in seconds. Its plan starts the next round. The rounds stop when a round's probes
+offer no pattern the last tied program lacked, when the tied program does not beat the plan it
+started from by ROUND_GAIN, when it ran ROUND_SHARE of the time limit without proving its gap, once
+the search has taken LATER_ROUNDS_WITHIN of the limit, or at the time limit.
 
 On the H100 export of gpt1.3b at 50% (2-core CPU, beside the other problem's search): the greedy
 plan is priced at 278.9 ms, the first round's plan at 251.5 (6.4 s), where the program tied by kind
@@ -47,15 +47,12 @@ PROBE_SHARE = 0.5
 # a round whose tied program improves the best plan by less than this (relative) is the last:
 # on the H200 export of a Llama at 25% a second round took 4.3 s to gain 0.07%
 ROUND_GAIN = 1e-3
-# Rounds at most: a second round's tied program (more patterns, from the first's plan) gained
-# 0.008-0.44% by the model for up to 4.6 s more. Offline with the device's 10 s limit on the H200
-# exports of gpt1.3b and a Llama at 50/25/10% (2-core CPU), one round simulated the same steps
-# within -1.2..+1.2% (gpt1.3b 186.3 / 312.5 / 791.8 ms against 184.9 / 316.4 / 790.8; the Llama
-# 210.5 / 282.1 / 506.9 against 211.5 / 284.3 / 501.0) and planned in 6.5 / 2.1 / 2.2 s and
-# 7.2 / 8.9 / 5.9 s against 8.7 / 3.2 / 3.0 and 8.6 / 12.9 / 10.7
-# (bench/results/2026-11-29_h200_one-round.md). On the H200 a second round took gpt1.3b's warm
-# compile at 50% from 9.4 to 12.4 s.
-MAX_ROUNDS = 1
+# A round after the first starts only while the search has taken less than this share of its
+# time (2.5 s of the default 10 s cap): later rounds are worth it where they are cheap. On the H200,
+# gpt1.3b at 10%, a second round of 0.5 s gained 2.2% by the model (842.1 -> 823.3 ms); at 50% one
+# after a first round of 3.6 s gained 0.44% in 4.6 s more, and took the warm compile from 9.4 to
+# 12.4 s (bench/results/2026-11-29_h200_later-rounds.md).
+LATER_ROUNDS_WITHIN = 0.25
 # a round's tied program may run this share of the search's time (4 s of the default 10 s cap; a
 # longer time_limit lets it run longer); one that reaches it without proving its gap is the last
 # round: a round with more patterns would not prove it sooner. On the H200 exports of gpt1.3b and a
@@ -141,7 +138,8 @@ def search_blocks(problem: Problem, untied: ilp.Formulation, blocks: list[BlockC
         log.info("block search round %d: probes %.1f s, %s; the tied program %s in %.1f s, best plan %.3f ms "
                  "(%.1f s in all)", rounds, probe_seconds, ", ".join(f"{len(p)} patterns of {b.path!r}" for b, p in offered),
                  result.status, result.seconds, best_ev.time * 1e3, time.perf_counter() - started)
-        if not tied_better or capped or rounds >= MAX_ROUNDS or time.perf_counter() >= deadline:
+        late = time.perf_counter() - started >= LATER_ROUNDS_WITHIN * seconds
+        if not tied_better or capped or late or time.perf_counter() >= deadline:
             break
     return Search(offered, best, best_ev, time.perf_counter() - started, improved, rounds, result, program)
 
