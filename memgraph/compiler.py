@@ -34,6 +34,7 @@ from ..trace.ranks import check_ranks, message_order, rank_slice
 from ..trace.split_loss import split_loss_head
 from ..trace.tracer import check_clipping, target_device, trace_step
 from .builder import build, build_walks, prepare
+from .heap import collect_young_only
 from .keep_transfers import keep_transfers
 from .per_device import per_device_plan
 from .progress import Phases, stderr_is_terminal
@@ -213,7 +214,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     measure_costs = planner != "none" or device_count > 1  # several devices: the simulator picks the build
     alignment = alignment or (256 if device.type == "cuda" else 64)
     started = time.perf_counter()
-    with Phases(list(PHASES), enabled=verbose) as progress:
+    with collect_young_only(), Phases(list(PHASES), enabled=verbose) as progress:
         with progress.phase("tracing"):
             loss_blocks = split_blocks(split)
             step = trace_step(model, loss_fn, example_batch, optimizer=optimizer, device=device,
