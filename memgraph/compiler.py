@@ -539,18 +539,19 @@ def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: 
                            **options)]
     if planner != "none" and tg.devices > 1:
         describe("each device's share on its own")
-        plans += per_device_candidates(tg, int(gpu_budget * scale), cpu_bytes, costs, alignment, options)
+        plans += per_device_candidates(tg, int(gpu_budget * scale), cpu_bytes, costs, alignment, options,
+                                       "auto" if every_candidate else "greedy")
     plans = host_update_candidates(tg, plans, host_update if every_candidate else
                                    "all" if host_update == "all" else "off")
     return [dataclasses.replace(plan, gpu_budget=gpu_budget) if tg.devices > 1 else plan for plan in plans]
 
 
-def per_device_candidates(tg, gpu_budget: int, cpu_bytes: int | None, costs, alignment: int, options: dict
-                          ) -> list[Plan]:
-    """The plan of each device's share planned on its own budget (memgraph/per_device.py), as a
-    candidate beside the planned-as-one ones, where there is one."""
+def per_device_candidates(tg, gpu_budget: int, cpu_bytes: int | None, costs, alignment: int, options: dict,
+                          method: str = "greedy") -> list[Plan]:
+    """The plan of each device's share planned on its own budget by ``method`` (memgraph/per_device.py),
+    as a candidate beside the planned-as-one ones, where there is one."""
     try:
-        plan = per_device_plan(tg, gpu_budget, cpu_bytes, costs, alignment, **options)
+        plan = per_device_plan(tg, gpu_budget, cpu_bytes, costs, alignment, method, **options)
     except InfeasibleBudget as short:  # the planned-as-one candidates stand, and the builder says what fits
         log.info("a device's share has no plan in %s: no per-device candidate (%s)", format_bytes(gpu_budget), short)
         return []

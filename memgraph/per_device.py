@@ -15,15 +15,21 @@ against 198.7) (bench/results/h200x2/s7/replan_gpt1.3b_x2_*_s7.json, from ``pyth
 plan --step bench/results/h200x2/steps/step_gpt1.3b_x2[_casts]_s6.step --budgets 0.25[,0.5]
 --eager-peak 39829110784``).
 
-Each share is planned greedily (PER_DEVICE_METHOD): on that export the ILP on each share bought 2%
-at 25% (332.9 ms against 339.3) for several times the planning time (32.5 s against 7.0-9.7 s for
-the greedy shares, on a 2-core CPU busy with other work: scratch timings, not a benchmark).
+On CUDA with planner "auto" each share is planned as the whole step is, greedy then the ILP over
+blocks; elsewhere greedily. On the 2 x H200 export of gpt1.3b with replicas (2-core CPU, `python -m
+turnip.bench.replan plan --step bench/results/h200x2/steps/step_gpt1.3b_x2_s6.step --budgets 0.5
+--eager-peak 39829110784`), the ILP's shares simulated 182.7 ms at 50% of eager's peak per GPU,
+where the greedy shares simulated 207.0 and the best planned-as-one candidate 199.4; at 25%, 327.2
+against 340.5; with the casts travelling at 25%, 438.5 against 445.6 (planning 1.6, 6.3 and 15.8 s
+longer; bench/results/2026-11-29_h200_later-rounds.md). The shares are planned side by side, on
+threads: HiGHS releases the GIL while it solves.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from ..ir.plan import Plan, Recompute
 from ..ir.taskgraph import TaskGraph
@@ -34,26 +40,31 @@ from ..trace.ranks import Slice, sliced
 
 log = logging.getLogger(__name__)
 
-PER_DEVICE_METHOD = "greedy"
-
 
 def per_device_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None, costs: CostModel, alignment: int,
-                    **options) -> Plan | None:
+                    method: str = "greedy", **options) -> Plan | None:
     """The plan of ``tg`` (one process, several devices) made of each device's share planned on
-    ``gpu_budget`` (and an equal part of ``cpu_budget``); None on one device, over ranks (each rank
-    already plans its own share), or where a share's plan reorders the step."""
+    ``gpu_budget`` (and an equal part of ``cpu_budget``) by the planner ``method``; None on one
+    device, over ranks (each rank already plans its own share), or where a share's plan reorders
+    the step."""
     if tg.devices < 2 or tg.ranks > 1:
         return None
     order = step_order(tg)
     share_costs = copy.copy(costs)  # a share's messages are the whole step's transfers between devices
     share_costs.rank_bandwidth = costs.d2d_bandwidth
     share_cpu = cpu_budget // tg.devices if cpu_budget is not None else None
-    parts: list[tuple[Slice, Plan]] = []
-    for device in range(tg.devices):
-        share = sliced(tg, device, tg.devices, order=order)
+    shares = [sliced(tg, device, tg.devices, order=order) for device in range(tg.devices)]
+    for share in shares:  # one after another: on CUDA an op not priced yet is measured on the GPU
         share_costs.annotate(share.taskgraph)
-        plan = run_plan(share.taskgraph, gpu_budget, share_cpu, method=PER_DEVICE_METHOD, costs=share_costs,
+
+    def plan_of(share: Slice) -> Plan:
+        return run_plan(share.taskgraph, gpu_budget, share_cpu, method=method, costs=share_costs,
                         alignment=alignment, **options)
+
+    with ThreadPoolExecutor(max_workers=len(shares), thread_name_prefix="turnip-share") as pool:
+        plans = list(pool.map(plan_of, shares))
+    parts: list[tuple[Slice, Plan]] = []
+    for device, (share, plan) in enumerate(zip(shares, plans)):
         if plan.order is not None:
             kept = [share.vertices[u] for u in plan.order if share.vertices[u] >= 0]
             mine = set(kept)

@@ -518,6 +518,47 @@ def test_a_per_device_plan_that_built_leaves_the_planned_as_one_to_be_made_again
     assert compiler.favourite_refused([(as_one, short)], [per_device]) is short
 
 
+def _two_device_step(gpt_case):
+    model, loss_fn, batches = gpt_case
+    mine = copy.deepcopy(model)
+    tg = trace_step(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu", devices=2).finished()
+    costs = CostModel(device="cpu")
+    costs.annotate(tg)
+    return tg, costs, compiler.everything_kept(tg, 64)[1] // 2
+
+
+def test_each_share_is_planned_as_the_whole_step_on_cuda_with_auto_and_greedily_elsewhere(gpt_case, monkeypatch):
+    """plan_step asks per_device_plan for the ILP's shares where compile plans every candidate (CUDA,
+    planner "auto"), and for greedy ones elsewhere (the CPU backend, another planner)."""
+    import types
+
+    tg, costs, budget = _two_device_step(gpt_case)
+    methods = []
+
+    def recorded(tg, gpu_budget, cpu_budget, costs, alignment, method="greedy", **options):
+        methods.append(method)
+        return None
+
+    monkeypatch.setattr(compiler, "per_device_plan", recorded)
+    progress = types.SimpleNamespace(describe=lambda *args: None)
+    for device, planner in (("cuda", "auto"), ("cpu", "auto"), ("cuda", "greedy")):
+        compiler.plan_step(tg, budget, None, planner, torch.device(device), costs, 64, progress, {})
+    assert methods == ["auto", "greedy", "greedy"]
+
+
+def test_the_ilp_plans_each_share_when_asked(gpt_case):
+    """per_device_plan(method="auto"): each share planned by the driver's auto method (greedy, then
+    the ILP), side by side on threads, and merged on the whole step."""
+    from turnip.memgraph.per_device import per_device_plan
+
+    tg, costs, budget = _two_device_step(gpt_case)
+    plan = per_device_plan(tg, budget, None, costs, 64, method="auto")
+    assert plan is not None and [share["method"] for share in plan.stats["per_device"]] == ["auto", "auto"]
+    assert all("time_limit" in share or "reason" in share for share in plan.stats["per_device"])
+    greedy_plan = per_device_plan(tg, budget, None, costs, 64)
+    assert [share["method"] for share in greedy_plan.stats["per_device"]] == ["greedy", "greedy"]
+
+
 def test_a_share_without_a_plan_leaves_the_planned_as_one_candidates(gpt_case, monkeypatch):
     """Where a device's share has no plan in the budget (the planner's refusal), compile goes on with
     the planned-as-one candidates, as before there was a per-device one, and stays bitwise."""
