@@ -96,7 +96,7 @@ RANKS = {"ir": 0, "kernels": 1, "trace": 2, "planners": 2, "builder": 2, "engine
 MEMGRAPH_STAGES = {
     "builder": {"builder", "schedule", "horizons", "alloc", "packing", "implied_edges", "segments", "checker",
                 "occupancy"},
-    "compile": {"checkpoint", "compiler", "keep_transfers", "per_device", "progress", "ranks", "remake_offloaded",
+    "compile": {"checkpoint", "compiler", "heap", "keep_transfers", "per_device", "progress", "ranks", "remake_offloaded",
                 "report"},
 }
 
