@@ -594,8 +594,7 @@ class Layout:
         def build_now(plans: list[Plan]) -> None:
             for plan in plans:
                 try:
-                    ready = prepare(self.tg, plan, alignment)
-                    mg = build_walks(self.tg, plan, alignment=alignment, walks=("ahead",), prepared=ready)["ahead"]
+                    ready, mg = ahead_walk(self.tg, plan, alignment)
                 except InfeasibleBudget:
                     continue
                 simulated_step(mg, costs, backend)
@@ -743,6 +742,12 @@ class Built:
     mg: MemGraph
 
 
+def ahead_walk(tg, plan: Plan, alignment: int):
+    """(the plan expanded and scheduled, which its compact walk reuses; its allocate-ahead MemGraph)."""
+    ready = prepare(tg, plan, alignment)
+    return ready, build_walks(tg, plan, alignment=alignment, walks=("ahead",), prepared=ready)["ahead"]
+
+
 def built_walks(tg, candidates: list[Plan], alignment: int, costs, backend: str, compact_for: int = COMPACT_FOR,
                 stand: bool = False, ahead: dict | None = None) -> tuple[list[Built], list[tuple[Plan, InfeasibleBudget]]]:
     """The candidates built, and the refusals of those that left a device short. On CUDA each plan
@@ -758,14 +763,10 @@ def built_walks(tg, candidates: list[Plan], alignment: int, costs, backend: str,
     for k, plan in enumerate(candidates):
         # on several devices a plan made for all of them as one may leave one device short: the others stand
         try:
-            if backend == "cuda" and id(plan) in ahead:
-                ready, mg = ahead[id(plan)]
+            if backend == "cuda":
+                ready, mg = ahead[id(plan)] if id(plan) in ahead else ahead_walk(tg, plan, alignment)
                 built = {"ahead": mg}
                 prepared[id(mg)] = ready
-            elif backend == "cuda":
-                ready = prepare(tg, plan, alignment)
-                built = build_walks(tg, plan, alignment=alignment, walks=("ahead",), prepared=ready)
-                prepared[id(built["ahead"])] = ready
             else:
                 built = {None: build(tg, plan, alignment=alignment)}
         except InfeasibleBudget as exc:

@@ -247,7 +247,6 @@ def _undo(problem: Problem, dec: Decisions, ev: Evaluation, moves: list[Move], b
             trial.cpu[i] = False
         groups, items = ([i], []) if what == "group" else ([], [i])
         if exceeds_cap_after(problem, ev, trial, groups, items):
-            stats["screened"] = stats.get("screened", 0) + 1
             continue
         e = evaluate(problem, trial)
         stats["evaluations"] += 1
