@@ -495,9 +495,12 @@ def test_small_gpt_at_10_percent_is_refused_with_the_smallest_budget(small_gpt):
 def test_deep_gpt_plans_build_and_verify(deep_gpt, frac):
     tg, peak = deep_gpt
     budget = int(frac * peak)
-    plan = planners.plan(tg, budget, time_limit=20, alignment=64)
+    # At 10% the block patterns do not beat greedy's plan and the program over every group finds a
+    # better one in about 3 s on one core; it gets a fifth of the limit (driver.UNTIED_SHARE), so the
+    # limit leaves room for a loaded 2-core CI machine (CI once ran out at 20 s)
+    plan = planners.plan(tg, budget, time_limit=60, alignment=64)
     _check_plan(tg, plan, budget)
-    assert plan.planner == "ilp" and plan.stats["status"]
+    assert plan.planner == "ilp" and plan.stats["status"], plan.stats.get("fallback")
     _build_and_verify(tg, plan)
 
 
