@@ -181,8 +181,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     without autocast casts of trained weights has replicas only.
     planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
     the ILP solver may run; default None, scaled to the problem: planners/driver.py's
-    ilp_time_limit, 0.5 ms per binary variable, 15 ms with op costs measured on the GPU, within
-    1-10 s; the ILP starts from the greedy plan and returns it when it finds nothing better in
+    ilp_time_limit, 0.25 ms per binary variable, 15 ms with op costs measured on the GPU, within
+    0.5-10 s; the ILP starts from the greedy plan and returns it when it finds nothing better in
     time), headroom, windows, gap, depth, reload_room (experimental, default False: count a planned
     reload's bytes from its prefetch window, not from its use),
     max_candidates, max_chain, max_items, order, solver, threads, msg, tie_blocks; and costs, a

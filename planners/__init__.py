@@ -21,8 +21,8 @@ def plan(taskgraph, gpu_budget: int, cpu_budget: int | None = None, method: str 
     costs: a turnip.planners.costs.CostModel (default: measured on the graph's CUDA device when
     present, analytic H100-class rates otherwise); it fills vertex.time/workspace where unset.
     time_limit: seconds the MILP solver may run (it starts from the greedy plan, so it always has
-    one); None scales it to the problem (planners.driver.ilp_time_limit: 0.5 ms per binary
-    variable, 15 ms with op costs measured on the GPU, within 1-10 s, for all the rounds of the
+    one); None scales it to the problem (planners.driver.ilp_time_limit: 0.25 ms per binary
+    variable, 15 ms with op costs measured on the GPU, within 0.5-10 s, for all the rounds of the
     block search). Options: tie_blocks (default True: each repeated block's instances choose
     among whole-block patterns found in rounds, planners/block_search.py), headroom (fraction of budget - workspace
     planned with, default 0.92, slack for fragmentation and prefetching), alignment (default 256 on CUDA, 64 otherwise), windows

@@ -41,11 +41,14 @@ _MODEL_OPTS = ("headroom", "alignment", "windows", "depth", "max_candidates", "m
 _SOLVER_OPTS = ("gap", "msg", "solver", "threads")
 _ILP_OPTS = ("tie_blocks",)  # False: the ILP over every group's options, repeated blocks untied (blocks.py)
 
-# The ILP's default time limit: this many seconds per binary variable, within [floor, cap]: the
-# floor for the 30M-parameter GPT-2 at 50% (1614 binaries), 1.7 s for a 32-layer GPT (3435). Past it
-# (and a grace, solver.deadline) the greedy plan is used: compile stays fast, and a longer search is
-# one time_limit= away.
-SECONDS_PER_BINARY = 5e-4
+# The ILP's default time limit with op costs not measured (the CPU backend, analytic rates): this
+# many seconds per binary variable, within [floor, cap]: the floor for the 30M-parameter GPT-2 of
+# bench/compile_time.py (1,883 binaries at 50%), 0.86 s for a 32-layer GPT (3,435). On that GPT-2 at
+# 60% and 50% the ILP's plan at 0.5 s is the one it finds in 1 s (23.009 and 25.625 ms predicted,
+# greedy's 23.453 and 25.899), at 0.25 s slower (23.147, 25.746), and 1 s took its compile past
+# 2 s. Past the limit (and a grace, solver.deadline) the best plan found is used: compile stays
+# fast, and a longer search is one time_limit= away.
+SECONDS_PER_BINARY = 2.5e-4
 # With op costs measured on the GPU the plan is for real steps, run thousands of times, so the ILP
 # gets longer, up to the cap. The cap was 60 s while the ILP chose every group's option alone (on
 # the H100 export of gpt1.3b at 50%, 3,918 binaries, HiGHS needed about 29 s of one core to find
@@ -54,7 +57,7 @@ SECONDS_PER_BINARY = 5e-4
 # H200 (its tied program stopped after 1.3 s: simulated 380 ms at 25% against 316 before), so the
 # cap stays 10 s (bench/results/2026-11-29_h200_block-rounds.md).
 SECONDS_PER_BINARY_MEASURED = 1.5e-2
-TIME_LIMIT_FLOOR = 1.0
+TIME_LIMIT_FLOOR = 0.5
 TIME_LIMIT_CAP = 10.0
 # When the block search beats nothing (its probes and program stay at greedy's plan, a local
 # optimum), the program over every group's options gets what is left of the limit, at most

@@ -660,10 +660,13 @@ def test_recomputing_plans_run_like_eager(how):
 
 def test_candidates_are_the_ilp_plan_then_the_greedy_plan_it_started_from(small_gpt):
     tg, peak = small_gpt
-    first, *rest = planners.plan_candidates(tg, int(0.4 * peak), alignment=64, headroom=0.9)
-    assert first.planner == "ilp" and [p.planner for p in rest] == ["greedy"]
+    # the block patterns beat nothing here; the untied program proves greedy's plan optimal in about
+    # 0.3 s, given a fifth of the limit (driver.UNTIED_SHARE)
+    first, *rest = planners.plan_candidates(tg, int(0.4 * peak), alignment=64, headroom=0.9, time_limit=10)
+    assert first.planner == "ilp" and [p.planner for p in rest] == ["greedy"], first.stats.get("fallback")
     assert rest[0].predicted_time >= first.predicted_time  # the ILP starts from the greedy plan
-    assert first.predicted_time == planners.plan(tg, int(0.4 * peak), alignment=64, headroom=0.9).predicted_time
+    again = planners.plan(tg, int(0.4 * peak), alignment=64, headroom=0.9, time_limit=10)
+    assert first.predicted_time == again.predicted_time
 
 
 def test_auto_candidates_also_plan_the_whole_budget(small_gpt):
