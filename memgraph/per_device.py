@@ -58,8 +58,10 @@ def per_device_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None, cost
         share_costs.annotate(share.taskgraph)
 
     def plan_of(share: Slice) -> Plan:
+        # a weight's cast or activation received from another device can be received again, over
+        # the device-to-device link, where the share would otherwise offload it or what reads it
         return run_plan(share.taskgraph, gpu_budget, share_cpu, method=method, costs=share_costs,
-                        alignment=alignment, **options)
+                        alignment=alignment, replay_receives=True, **options)
 
     with ThreadPoolExecutor(max_workers=len(shares), thread_name_prefix="turnip-share") as pool:
         plans = list(pool.map(plan_of, shares))

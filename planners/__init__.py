@@ -31,7 +31,9 @@ def plan(taskgraph, gpu_budget: int, cpu_budget: int | None = None, method: str 
     they are grouped by module, default 512), order (a serial order; default: program order with
     each parameter's update right after its gradient), solver ("auto" | "highs" | "cbc"), msg,
     reload_room (experimental, default False: a planned reload holds its bytes from the window
-    its prefetch is charged to, not only from its use; not yet measured on a GPU).
+    its prefetch is charged to, not only from its use; not yet measured on a GPU), replay_receives
+    (default False; memgraph/per_device.py sets it: a value received from another device of this
+    process may be received again for a recomputation).
 
     The Plan carries predicted_time (seconds per step), predicted_peak (arena bytes plus the
     largest workspace) and, in stats, the solver's status and gap and the mix (bytes kept,

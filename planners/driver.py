@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 METHODS = ("auto", "ilp", "greedy")
 _MODEL_OPTS = ("headroom", "alignment", "windows", "depth", "max_candidates", "max_chain", "max_items", "order",
-               "reload_room")
+               "reload_room", "replay_receives")
 _SOLVER_OPTS = ("gap", "msg", "solver", "threads")
 _ILP_OPTS = ("tie_blocks",)  # False: the ILP over every group's options, repeated blocks untied (blocks.py)
 

@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 
 from ..ir.sizes import aligned, arena_capacity
-from ..ir.taskgraph import MESSAGE_OPS, TaskGraph, ValueKind
+from ..ir.taskgraph import MESSAGE_OPS, SEND, TaskGraph, ValueKind
 from .model import KEEP, OFFLOAD, RECOMPUTE, Group, Item, Option, Problem, make_windows, step_order
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,14 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
                   bw_d2h: float, headroom: float = 0.92, alignment: int = 256, windows: int | None = None,
                   depth: int = RECOMPUTE_DEPTH, max_candidates: int = 6, max_chain: int = 8, max_items: int = 512,
                   order: list[int] | None = None, host_per_vertex: float = 0.0, reload_room: bool = False,
-                  bw_duplex: float | None = None) -> Problem:
+                  bw_duplex: float | None = None, replay_receives: bool = False) -> Problem:
+    """replay_receives: a value received from another device may be received again for a
+    recomputation (a device's share of a step of one process, memgraph/per_device.py: the whole
+    step's copy between the devices runs again, reading its source where the other device still
+    holds it). Over ranks a message runs once, and so does a receive here by default."""
     order = list(order) if order is not None else step_order(tg)
+    # what a recomputation may not re-run: a send, whose peer receives once; a receive unless replayed
+    once = (SEND,) if replay_receives else MESSAGE_OPS
     n = len(order)
     pos = np.full(len(tg.vertices), -1, dtype=np.int64)
     pos[order] = np.arange(n)
@@ -129,8 +135,9 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
     recomputable = []
     for gi, g in enumerate(groups):
         chain, requires, persistent, anchor, batch = set(), set(), set(), set(), set()
-        # a message to or from another rank runs once: its peer sends or receives once (trace/ranks.py)
-        ok, stack = g.forward and tg.vertices[g.vertex].op not in MESSAGE_OPS, [g.vertex]
+        # a message to or from another rank runs once: its peer sends or receives once (trace/ranks.py);
+        # a receive between devices of one process may run again (replay_receives)
+        ok, stack = g.forward and tg.vertices[g.vertex].op not in once, [g.vertex]
         while stack and ok:
             x = stack.pop()
             for u in tg.vertices[x].inputs():
@@ -146,7 +153,7 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
                 elif u in forced:
                     anchor.add(u)
                 elif u in transient and val.producer not in group_vertex_set and \
-                        tg.vertices[val.producer].op not in MESSAGE_OPS:
+                        tg.vertices[val.producer].op not in once:
                     if val.producer not in chain:
                         chain.add(val.producer)
                         stack.append(val.producer)

@@ -14,11 +14,15 @@ from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import Edge, Stream
 from turnip.ir.optimizer import CompiledOptimizer
 from turnip.ir.plan import Plan
+from turnip.ir.taskgraph import RECV
 from turnip.memgraph import compiler
 from turnip.memgraph.builder import build, build_walks
 from turnip.memgraph.keep_transfers import keep_transfers
 from turnip.planners.costs import CostModel
+from turnip.planners.driver import make_problem
+from turnip.planners.model import RECOMPUTE, step_order
 from turnip.trace.errors import UnsupportedFeature
+from turnip.trace.ranks import sliced
 from turnip.trace.tracer import trace_step
 
 from turnip import engine, memgraph
@@ -537,7 +541,6 @@ def test_each_share_is_planned_as_the_whole_step_on_cuda_with_auto_and_greedily_
 
     def recorded(tg, gpu_budget, cpu_budget, costs, alignment, method="greedy", **options):
         methods.append(method)
-        return None
 
     monkeypatch.setattr(compiler, "per_device_plan", recorded)
     progress = types.SimpleNamespace(describe=lambda *args: None)
@@ -624,8 +627,35 @@ def test_a_plan_keeps_the_copies_between_devices_it_made_again_and_stays_bitwise
     assert kept.recompute == [r for r in plan.recompute if r not in again]
     assert (kept.order, kept.offload, kept.home, kept.gpu_budget) == (plan.order, plan.offload, plan.home, plan.gpu_budget)
     assert keep_transfers(tg, kept) is None
-    mg = build(tg, kept, alignment=64)
-    assert memgraph.verify(mg) == []
-    mg.optimizer = CompiledOptimizer(mg, optimizer)
-    mg.initial_state, mg.names, mg.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
-    assert_matches_eager(mg, autocast_case, 2, "random", seed=4)
+    for amended in (kept, plan):  # and the plan as made, its copies received again
+        mg = build(tg, amended, alignment=64)
+        assert memgraph.verify(mg) == []
+        mg.optimizer = CompiledOptimizer(mg, optimizer)
+        mg.initial_state, mg.names, mg.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
+        assert_matches_eager(mg, autocast_case, 2, "random", seed=4)
+
+
+def test_a_devices_share_may_receive_a_cast_again_where_a_ranks_may_not(autocast_case):
+    """memgraph/per_device.py plans each device's share with replay_receives: a weight's cast
+    received from its owner, and what reads it, may be recomputed by receiving it again (the whole
+    step's copy runs again); a rank's share (the default) receives each message once."""
+    model, loss_fn, batches = autocast_case
+    mine = copy.deepcopy(model)
+    tg = trace_step(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu",
+                    devices=2).finished(casts_travel=True)
+    costs = CostModel(device="cpu")
+    costs.annotate(tg)
+    share = sliced(tg, 1, 2, order=step_order(tg)).taskgraph
+    costs.annotate(share)
+    budget = int(0.3 * compiler.everything_kept(share, 64)[1])
+
+    def recomputable(problem, op=None):
+        return {problem.groups[gi].vertex for gi, g in enumerate(problem.groups)
+                if any(o.kind == RECOMPUTE for o in g.options) and (op is None or share.vertices[g.vertex].op == op)}
+
+    once = make_problem(share, budget, None, costs, alignment=64)
+    replayed = make_problem(share, budget, None, costs, alignment=64, replay_receives=True)
+    received = {g.vertex for g in once.groups if g.forward and share.vertices[g.vertex].op == RECV}
+    assert received and not recomputable(once, RECV)
+    assert recomputable(replayed, RECV) == received
+    assert recomputable(once) < recomputable(replayed)  # the matmuls reading a received cast too
