@@ -152,13 +152,14 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
                     requires.add(group_of_value[u])
                 elif u in forced:
                     anchor.add(u)
-                elif u in transient and val.producer not in group_vertex_set and \
-                        tg.vertices[val.producer].op not in once:
+                elif u in transient and tg.vertices[val.producer].op not in once:
+                    # also an unsaved output of another group's vertex (a layer norm's output, which
+                    # only the bf16 cast after it reads): that vertex runs again in the chain
                     if val.producer not in chain:
                         chain.add(val.producer)
                         stack.append(val.producer)
                 else:
-                    ok = False  # an unsaved output of a saved vertex, or a backward value
+                    ok = False  # a backward value, or one a message made
                     break
         ok = ok and len(chain) <= max_chain
         recomputable.append(ok)
@@ -207,6 +208,11 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
         spans = [(saved_info[o][0], saved_info[o][2] - (o in donated), size(o)) for o in g.saved]
         extra = sum(size(o) for c in g.chain for o in tg.vertices[c].outputs if o >= 0) + \
             sum(size(o) for o in tg.vertices[g.vertex].outputs if o >= 0 and o not in g.saved)
+        # another group's vertex run again in the chain makes its saved outputs again, and the copies
+        # replace them for every reader after the recomputation (ir/plan.py): they are counted from
+        # there to their last use, on top of what that group's own option holds (an upper bound;
+        # a layer norm's mean and rstd, a few KiB)
+        remade = [(saved_info[o][2], size(o)) for h in g.chain if h in group_vertex_set for o in group_vertices[h]]
         g.options.append(Option(KEEP, -1, [(g.pos, last, b) for _, last, b in spans]))
         n_saved, n_rc = len(g.saved), len(g.chain) + 1
         for c in g.candidates:
@@ -231,7 +237,8 @@ def build_problem(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None,
                 g.options.append(Option(OFFLOAD, c, off_ivs, h2d=(wr, g.nbytes), d2h=(wp, g.nbytes),
                                         host=launches(host_per_vertex, (wp, n_saved), (wr, n_saved))))
             if any(c == cc for cc, _ in rc_valid[gi]):
-                g.options.append(Option(RECOMPUTE, c, ivs, compute=(wc, g.rc_time), extra=extra,
+                g.options.append(Option(RECOMPUTE, c, ivs + [(c, max(c, last), b) for last, b in remade],
+                                        compute=(wc, g.rc_time), extra=extra,
                                         host=launches(host_per_vertex, (wc, n_rc))))
         g.index = {(o.kind, o.at): i for i, o in enumerate(g.options)}
 

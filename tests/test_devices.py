@@ -13,7 +13,8 @@ from turnip.ir.batch import BatchError
 from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import Edge, Stream
 from turnip.ir.optimizer import CompiledOptimizer
-from turnip.ir.plan import Plan
+from turnip.ir.plan import Plan, Recompute
+from turnip.ir.sizes import aligned
 from turnip.ir.taskgraph import RECV
 from turnip.memgraph import compiler
 from turnip.memgraph.builder import build, build_walks
@@ -659,3 +660,40 @@ def test_a_devices_share_may_receive_a_cast_again_where_a_ranks_may_not(autocast
     assert received and not recomputable(once, RECV)
     assert recomputable(replayed, RECV) == received
     assert recomputable(once) < recomputable(replayed)  # the matmuls reading a received cast too
+
+
+def test_the_cast_of_a_layer_norms_output_is_recomputed_by_running_the_norm_again(autocast_case):
+    """Under bf16 autocast a Linear reads the bf16 cast of a layer norm's output, which nothing
+    else reads, while the norm's own group saves its mean and rstd. The cast may be recomputed: its
+    chain runs the norm again, and the norm's copies of mean and rstd, which replace the originals
+    for the backward (ir/plan.py), are counted from there to their last use. Run that way, on one
+    device and on two, the step is eager's bit for bit."""
+    model, loss_fn, batches = autocast_case
+    for devices in (1, 2):
+        mine = copy.deepcopy(model)
+        optimizer = adamw(mine.parameters())
+        tg = trace_step(mine, loss_fn, batches[0], optimizer=optimizer, device="cpu", devices=devices).finished()
+        costs = CostModel(device="cpu")
+        costs.annotate(tg)
+        problem = make_problem(tg, 1 << 40, None, costs, alignment=64)
+        group_at = {g.vertex: g for g in problem.groups}
+        casts = [g for g in problem.groups if tg.vertices[g.vertex].op == "aten::_to_copy"
+                 and any(tg.vertices[h].op == "aten::native_layer_norm" and h in group_at for h in g.chain)]
+        assert casts and all(any(o.kind == RECOMPUTE for o in g.options) for g in casts)
+        for g in casts:
+            norm = group_at[next(h for h in g.chain if h in group_at)]
+            for option in (o for o in g.options if o.kind == RECOMPUTE):
+                remade = option.intervals[-len(norm.saved):]  # after the cast's own
+                assert [(first, b) for first, _, b in remade] == \
+                    [(option.at, aligned(tg.values[o].nbytes, 64)) for o in norm.saved]
+        # every such cast recomputed just before its first use in the backward
+        copies = sorted({(g.n0, v) for g in casts for v in (*g.chain, g.vertex)})
+        plan = Plan(gpu_budget=1 << 40, order=list(problem.order), planner="by hand",
+                    recompute=[Recompute(v, problem.order[n0]) for n0, v in copies])
+        mg = build(tg, plan, alignment=64)
+        assert memgraph.verify(mg) == []
+        assert sum(v.recompute_of >= 0 and tg.vertices[v.recompute_of].op == "aten::native_layer_norm"
+                   for v in mg.taskgraph.vertices) >= len(casts)
+        mg.optimizer = CompiledOptimizer(mg, optimizer)
+        mg.initial_state, mg.names, mg.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
+        assert_matches_eager(mg, autocast_case, devices, "random", seed=6)
