@@ -28,10 +28,11 @@ threads: HiGHS releases the GIL while it solves.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from ..ir.plan import Plan, Recompute
+from ..ir.plan import GPU, Plan, Recompute
 from ..ir.taskgraph import TaskGraph
 from ..planners.costs import CostModel
 from ..planners.driver import run_plan
@@ -74,7 +75,7 @@ def per_device_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None, cost
                 log.info("device %d's plan reorders the step: no per-device candidate", device)
                 return None
         parts.append((share, plan))
-    return merged(parts, order, gpu_budget, cpu_budget)
+    return cast_again_at_the_source(tg, merged(parts, order, gpu_budget, cpu_budget))
 
 
 def merged(parts: list[tuple[Slice, Plan]], order: list[int], gpu_budget: int, cpu_budget: int | None) -> Plan:
@@ -105,3 +106,44 @@ def merged(parts: list[tuple[Slice, Plan]], order: list[int], gpu_budget: int, c
     plan.stats = {"per_device": [part.stats for _, part in parts],
                   "per_device_predicted_s": [part.predicted_time for _, part in parts]}
     return plan
+
+
+def cast_again_at_the_source(tg: TaskGraph, plan: Plan) -> Plan:
+    """The plan with each value a device receives again (replay_receives) cast again on its sender
+    first, where the sender made it by one op from weights homed on the GPU (a Linear weight's bf16
+    cast): the copy then reads the new cast, and the sender need not hold its first one from the
+    forward to the receiver's backward. Not where a weight it reads is updated in place before."""
+    order = plan.order if plan.order is not None else list(range(len(tg.vertices)))
+    position = {vid: k for k, vid in enumerate(order)}
+    first_update: dict[int, int] = {}
+    for vertex in tg.vertices:
+        for old, _ in vertex.copy_in:
+            first_update[old] = min(first_update.get(old, len(order)), position[vertex.id])
+    recompute, again = [], set()
+    for rc in plan.recompute:
+        source = tg.transfer_source(tg.vertices[rc.vertex])
+        caster = _weight_cast(tg, plan, source) if source is not None else None
+        if caster is not None and (caster, rc.before) not in again and \
+                all(first_update.get(x, len(order)) > position[rc.before] for x in tg.vertices[caster].inputs()):
+            recompute.append(Recompute(caster, rc.before))
+            again.add((caster, rc.before))
+        recompute.append(rc)
+    if not again:
+        return plan
+    return dataclasses.replace(plan, recompute=recompute, stats={**plan.stats, "cast_again_at_the_source": len(again)})
+
+
+def _weight_cast(tg: TaskGraph, plan: Plan, value: int) -> int | None:
+    """The forward vertex that made ``value`` from GPU-homed weights alone, by one op with one output;
+    else None."""
+    producer = tg.values[value].producer
+    if producer < 0:
+        return None
+    vertex = tg.vertices[producer]
+    if vertex.phase != "forward" or vertex.random or vertex.copy_in or \
+            [o for o in vertex.outputs if o >= 0] != [value]:
+        return None
+    inputs = vertex.inputs()
+    if not inputs or any(not tg.values[x].kind.is_persistent or plan.home_of(x) != GPU for x in inputs):
+        return None
+    return vertex.id

@@ -5,6 +5,7 @@ every gradient then divided by their count (DDP's averaging), for every ordering
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from turnip.ir.taskgraph import RECV
 from turnip.memgraph import compiler
 from turnip.memgraph.builder import build, build_walks
 from turnip.memgraph.keep_transfers import keep_transfers
+from turnip.memgraph.per_device import cast_again_at_the_source
 from turnip.planners.costs import CostModel
 from turnip.planners.driver import make_problem
 from turnip.planners.model import RECOMPUTE, step_order
@@ -72,10 +74,11 @@ def compiled(case, devices: int, budget=None, max_grad_norm=None, **options):
                             devices=devices, budget=budget, max_grad_norm=max_grad_norm, verbose=False, **options)
 
 
-def assert_matches_eager(mg, case, devices, ordering="nondeterministic", seed=None, max_grad_norm=None):
+def assert_matches_eager(mg, case, devices, ordering="nondeterministic", seed=None, max_grad_norm=None,
+                         make_opt=adamw):
     model, loss_fn, batches = case
     steps = per_device(batches, devices)
-    want_state, want_losses = eager_data_parallel(model, loss_fn, steps, adamw, max_grad_norm)
+    want_state, want_losses = eager_data_parallel(model, loss_fn, steps, make_opt, max_grad_norm)
     for micro_batches, want in zip(steps, want_losses):
         if devices == 1:  # the ordinary step: one batch, one loss
             assert torch.equal(engine.run(mg, micro_batches[0], ordering=ordering, seed=seed)["loss"], want[0])
@@ -697,3 +700,50 @@ def test_the_cast_of_a_layer_norms_output_is_recomputed_by_running_the_norm_agai
         mg.optimizer = CompiledOptimizer(mg, optimizer)
         mg.initial_state, mg.names, mg.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
         assert_matches_eager(mg, autocast_case, devices, "random", seed=6)
+
+
+def test_a_cast_received_again_is_cast_again_on_its_owner_and_stays_bitwise(autocast_case):
+    """memgraph/per_device.py cast_again_at_the_source: where a plan has a device receive a
+    weight's bf16 cast again, its owner casts the weight again just before, so the copy reads the
+    new cast and the owner need not hold the first from the forward to the receiver's backward."""
+    model, loss_fn, batches = autocast_case
+
+    def adam(params):  # no decoupled decay: AdamW's p.mul_ needs no gradient, and runs right after a
+        return torch.optim.Adam(params, lr=1e-3)  # weight's last forward reader, before any cast again
+
+    for make_opt in (adamw, adam):
+        mine = copy.deepcopy(model)
+        optimizer = make_opt(mine.parameters())
+        tg = trace_step(mine, loss_fn, batches[0], optimizer=optimizer, device="cpu",
+                        devices=2).finished(casts_travel=True)
+        costs = CostModel(device="cpu")
+        costs.annotate(tg)
+        fraction = 0.3 if make_opt is adamw else 0.25  # where the greedy plan receives some casts again
+        plan = compiler.make_plan(tg, int(fraction * compiler.everything_kept(tg, 64)[1]), None, "greedy",
+                                  costs=costs, alignment=64)
+        received_again = [r for r in plan.recompute if tg.transfer_source(tg.vertices[r.vertex]) is not None]
+        assert received_again and cast_again_at_the_source(tg, plan) is plan  # its weights are homed on the CPU
+        # with every weight on the GPU (and room for them) each of those casts is made again, but not
+        # after AdamW's decay
+        plan = dataclasses.replace(plan, home={}, release_after={},
+                                   gpu_budget=2 * compiler.everything_kept(tg, 64)[1])
+        if make_opt is adamw:
+            assert cast_again_at_the_source(tg, plan) is plan
+    amended = cast_again_at_the_source(tg, plan)
+    assert amended.stats["cast_again_at_the_source"] == len(received_again)
+    added = [r for r in amended.recompute if r not in plan.recompute]
+    assert [r for r in amended.recompute if r in plan.recompute] == plan.recompute
+    for r in added:  # each the weight's cast, on its owner, right before the copy that reads it
+        after = amended.recompute[amended.recompute.index(r) + 1]
+        assert after.before == r.before and tg.transfer_source(tg.vertices[after.vertex]) in tg.vertices[r.vertex].outputs
+        assert all(tg.values[x].kind.is_persistent for x in tg.vertices[r.vertex].inputs())
+    mg = build(tg, amended, alignment=64)
+    assert memgraph.verify(mg) == []
+    built = mg.taskgraph
+    copies = [v for v in built.vertices if v.recompute_of >= 0 and built.transfer_source(v) is not None]
+    casts = {r.vertex for r in added}
+    assert sum(built.vertices[built.values[built.transfer_source(v)].producer].recompute_of in casts
+               for v in copies) == len(added)  # the copies read the casts made again
+    mg.optimizer = CompiledOptimizer(mg, optimizer)
+    mg.initial_state, mg.names, mg.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
+    assert_matches_eager(mg, autocast_case, 2, "random", seed=8, make_opt=adam)
