@@ -23,6 +23,19 @@ where the greedy shares simulated 207.0 and the best planned-as-one candidate 19
 against 340.5; with the casts travelling at 25%, 438.5 against 445.6 (planning 1.6, 6.3 and 15.8 s
 longer; bench/results/2026-11-29_h200_later-rounds.md). The shares are planned side by side, on
 threads: HiGHS releases the GIL while it solves.
+
+A share receives each weight's bf16 cast from its owner when the casts travel. As a rank's message,
+a receive could not run again, so neither could anything reading it: the share kept or offloaded
+every matmul output in the backward's reach (2.84 GiB of addmm outputs per GPU at 25% on
+gpt1.3b), over the host link. Between devices of one process the whole step's copy can simply
+run again, so the shares are planned with replay_receives; and the owner casts the weight again
+just before the copy (cast_again_at_the_source), rather than holding its first cast from the
+forward to the other device's backward. On the 2 x H200 export with the casts travelling (`python
+-m turnip.bench.replan plan --step bench/results/h200x2/steps/step_gpt1.3b_x2_casts_s6.step
+--budgets 0.5,0.25,0.2 --eager-peak 39829110784 --planner-option time_limit=10`), at 25% this plan
+simulates 260.5 ms, where before the fastest candidate simulated 339.8 (and 327.2 with replicas);
+at 20%, 329.8 against 351.0; at 50% the planned-as-one plan stays fastest (176.3)
+(bench/results/2026-11-29_cpu_replayed-receives.md).
 """
 
 from __future__ import annotations

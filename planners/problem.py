@@ -3,7 +3,8 @@
 Reads the graph once: who reads what at which position, which forward values the backward
 pass needs (groups), what a recomputation would have to re-run (chains) and which other groups
 it leans on, the possible need times of every group (candidates, bounded in depth so deep
-recompute chains stay out of the space), the memory/transfer profile of every home, and the
+recompute chains stay out of the space; a chain may run another group's vertex again for an output
+only the chain reads), the memory/transfer profile of every home, and the
 host seconds of every launch the step and each decision add (host_per_vertex per vertex).
 """
 
