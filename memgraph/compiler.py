@@ -197,6 +197,9 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     store = PlanCache.open(cache)
     if planner != "none":  # so are unknown planners and options (a cached plan would not see them)
         check_options(planner, **{k: v for k, v in planner_options.items() if k != "costs"})
+        if "replay_receives" in planner_options:  # over ranks a replayed receive would wait for a send never made
+            raise TypeError("replay_receives is not a compile option: compile sets it where a receive can run "
+                            "again (each device's share of a step of one process)")
     device = target_device(device or default_device())
     ranks = read_process_group(process_group, device)
     if ranks is not None and device.type == "cuda" and device.index is None:

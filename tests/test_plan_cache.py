@@ -258,6 +258,8 @@ def test_unknown_planner_options_are_refused_even_with_a_cached_plan(plans):
         compiled(colour="blue")
     with pytest.raises(ValueError, match="time_limit"):
         compiled(time_limit=-1)
+    with pytest.raises(TypeError, match="replay_receives is not a compile option"):  # per-device planning's own
+        compiled(replay_receives=True)
 
 
 def test_everything_kept_needs_no_plan_and_no_cache(plans):
