@@ -45,12 +45,13 @@ import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from ..ir.plan import GPU, Plan, Recompute
+from ..ir.plan import Plan, Recompute
 from ..ir.taskgraph import TaskGraph
 from ..planners.costs import CostModel
 from ..planners.driver import run_plan
 from ..planners.model import step_order
 from ..trace.ranks import Slice, sliced
+from .remake_offloaded import made_from_gpu_weights
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def cast_again_at_the_source(tg: TaskGraph, plan: Plan) -> Plan:
     recompute, again = [], set()
     for rc in plan.recompute:
         source = tg.transfer_source(tg.vertices[rc.vertex])
-        caster = _weight_cast(tg, plan, source) if source is not None else None
+        caster = made_from_gpu_weights(tg, plan, source) if source is not None else None
         if caster is not None and (caster, rc.before) not in again and \
                 all(first_update.get(x, len(order)) > position[rc.before] for x in tg.vertices[caster].inputs()):
             recompute.append(Recompute(caster, rc.before))
@@ -145,18 +146,3 @@ def cast_again_at_the_source(tg: TaskGraph, plan: Plan) -> Plan:
         return plan
     return dataclasses.replace(plan, recompute=recompute, stats={**plan.stats, "cast_again_at_the_source": len(again)})
 
-
-def _weight_cast(tg: TaskGraph, plan: Plan, value: int) -> int | None:
-    """The forward vertex that made ``value`` from GPU-homed weights alone, by one op with one output;
-    else None."""
-    producer = tg.values[value].producer
-    if producer < 0:
-        return None
-    vertex = tg.vertices[producer]
-    if vertex.phase != "forward" or vertex.random or vertex.copy_in or \
-            [o for o in vertex.outputs if o >= 0] != [value]:
-        return None
-    inputs = vertex.inputs()
-    if not inputs or any(not tg.values[x].kind.is_persistent or plan.home_of(x) != GPU for x in inputs):
-        return None
-    return vertex.id

@@ -74,9 +74,9 @@ def recompute_evicted(tg: TaskGraph, plan: Plan, mg: MemGraph, costs) -> Plan | 
                                stats={**plan.stats, "recomputed_instead_of_reloaded": len(added)})
 
 
-def _cheap_producer(tg: TaskGraph, plan: Plan, value: int, costs) -> int | None:
-    """The forward vertex making ``value`` from GPU-homed weights alone, if running it costs less than
-    fetching ``value`` back; else None."""
+def made_from_gpu_weights(tg: TaskGraph, plan: Plan, value: int) -> int | None:
+    """The forward vertex that makes ``value``, its one output, from weights the plan homes on the GPU
+    alone (a weight's bf16 cast), so it can run again anywhere later; else None."""
     val = tg.values[value]
     if val.kind is not ValueKind.INTERMEDIATE or val.producer < 0:
         return None
@@ -86,9 +86,15 @@ def _cheap_producer(tg: TaskGraph, plan: Plan, value: int, costs) -> int | None:
     inputs = vertex.inputs()
     if not inputs or any(not tg.values[x].kind.is_persistent or plan.home_of(x) != GPU for x in inputs):
         return None
-    if vertex.time >= costs.transfer_time(val.nbytes, "h2d"):
-        return None
     return vertex.id
+
+
+def _cheap_producer(tg: TaskGraph, plan: Plan, value: int, costs) -> int | None:
+    """made_from_gpu_weights' vertex, if running it costs less than fetching ``value`` back; else None."""
+    producer = made_from_gpu_weights(tg, plan, value)
+    if producer is None or tg.vertices[producer].time >= costs.transfer_time(tg.values[value].nbytes, "h2d"):
+        return None
+    return producer
 
 
 def _in_place_writers(tg: TaskGraph, position: dict[int, int]) -> dict[int, int]:
