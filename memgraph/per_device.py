@@ -145,4 +145,3 @@ def cast_again_at_the_source(tg: TaskGraph, plan: Plan) -> Plan:
     if not again:
         return plan
     return dataclasses.replace(plan, recompute=recompute, stats={**plan.stats, "cast_again_at_the_source": len(again)})
-
