@@ -702,7 +702,8 @@ def test_the_cast_of_a_layer_norms_output_is_recomputed_by_running_the_norm_agai
         assert_matches_eager(mg, autocast_case, devices, "random", seed=6)
 
 
-def test_a_cast_received_again_is_cast_again_on_its_owner_and_stays_bitwise(autocast_case):
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_cast_received_again_is_cast_again_on_its_owner_and_stays_bitwise(autocast_case, devices):
     """memgraph/per_device.py cast_again_at_the_source: where a plan has a device receive a
     weight's bf16 cast again, its owner casts the weight again just before, so the copy reads the
     new cast and the owner need not hold the first from the forward to the receiver's backward."""
@@ -715,7 +716,7 @@ def test_a_cast_received_again_is_cast_again_on_its_owner_and_stays_bitwise(auto
         mine = copy.deepcopy(model)
         optimizer = make_opt(mine.parameters())
         tg = trace_step(mine, loss_fn, batches[0], optimizer=optimizer, device="cpu",
-                        devices=2).finished(casts_travel=True)
+                        devices=devices).finished(casts_travel=True)
         costs = CostModel(device="cpu")
         costs.annotate(tg)
         fraction = 0.3 if make_opt is adamw else 0.25  # where the greedy plan receives some casts again
@@ -746,4 +747,4 @@ def test_a_cast_received_again_is_cast_again_on_its_owner_and_stays_bitwise(auto
                for v in copies) == len(added)  # the copies read the casts made again
     mg.optimizer = CompiledOptimizer(mg, optimizer)
     mg.initial_state, mg.names, mg.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
-    assert_matches_eager(mg, autocast_case, 2, "random", seed=8, make_opt=adam)
+    assert_matches_eager(mg, autocast_case, devices, "random", seed=8, make_opt=adam)
