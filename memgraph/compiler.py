@@ -36,7 +36,7 @@ from ..trace.tracer import check_clipping, target_device, trace_step
 from .builder import build, build_walks, prepare
 from .heap import collect_young_only
 from .keep_transfers import keep_transfers
-from .per_device import per_device_plan
+from .per_device import per_device_plans
 from .progress import Phases, stderr_is_terminal
 from .ranks import (
     Ranks,
@@ -551,14 +551,13 @@ def plan_step(tg, gpu_budget: int, cpu_bytes: int | None, planner: str, device: 
 
 def per_device_candidates(tg, gpu_budget: int, cpu_bytes: int | None, costs, alignment: int, options: dict,
                           method: str = "greedy") -> list[Plan]:
-    """The plan of each device's share planned on its own budget by ``method`` (memgraph/per_device.py),
-    as a candidate beside the planned-as-one ones, where there is one."""
+    """The plans of each device's share planned on its own budget by ``method`` (memgraph/per_device.py),
+    as candidates beside the planned-as-one ones, where there are any."""
     try:
-        plan = per_device_plan(tg, gpu_budget, cpu_bytes, costs, alignment, method, **options)
+        return per_device_plans(tg, gpu_budget, cpu_bytes, costs, alignment, method, **options)
     except InfeasibleBudget as short:  # the planned-as-one candidates stand, and the builder says what fits
         log.info("a device's share has no plan in %s: no per-device candidate (%s)", format_bytes(gpu_budget), short)
         return []
-    return [plan] if plan is not None else []
 
 
 def planning_budget(tg, gpu_budget: int) -> int:

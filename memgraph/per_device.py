@@ -48,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..ir.plan import Plan, Recompute
 from ..ir.taskgraph import TaskGraph
 from ..planners.costs import CostModel
-from ..planners.driver import run_plan
+from ..planners.driver import plan_and_start
 from ..planners.model import step_order
 from ..trace.ranks import Slice, sliced
 from .remake_offloaded import made_from_gpu_weights
@@ -56,14 +56,16 @@ from .remake_offloaded import made_from_gpu_weights
 log = logging.getLogger(__name__)
 
 
-def per_device_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None, costs: CostModel, alignment: int,
-                    method: str = "greedy", **options) -> Plan | None:
-    """The plan of ``tg`` (one process, several devices) made of each device's share planned on
-    ``gpu_budget`` (and an equal part of ``cpu_budget``) by the planner ``method``; None on one
-    device, over ranks (each rank already plans its own share), or where a share's plan reorders
-    the step."""
+def per_device_plans(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None, costs: CostModel, alignment: int,
+                     method: str = "greedy", **options) -> list[Plan]:
+    """The plans of ``tg`` (one process, several devices) made of each device's share planned on
+    ``gpu_budget`` (and an equal part of ``cpu_budget``) by the planner ``method``: the shares' plans
+    merged, then, where the ILP's plan of some share beat its greedy plan in the planner's model,
+    the greedy plans merged too (a share's model does not see the other devices' waits, and the
+    simulator picks). None on one device, over ranks (each rank already plans its own share), or
+    where a share's plan reorders the step: an empty list."""
     if tg.devices < 2 or tg.ranks > 1:
-        return None
+        return []
     order = step_order(tg)
     share_costs = copy.copy(costs)  # a share's messages are the whole step's transfers between devices
     share_costs.rank_bandwidth = costs.d2d_bandwidth
@@ -72,24 +74,28 @@ def per_device_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None, cost
     for share in shares:  # one after another: on CUDA an op not priced yet is measured on the GPU
         share_costs.annotate(share.taskgraph)
 
-    def plan_of(share: Slice) -> Plan:
+    def plans_of(share: Slice) -> list[Plan]:
         # a weight's cast or activation received from another device can be received again, over
         # the device-to-device link, where the share would otherwise offload it or what reads it
-        return run_plan(share.taskgraph, gpu_budget, share_cpu, method=method, costs=share_costs,
-                        alignment=alignment, replay_receives=True, **options)
+        return plan_and_start(share.taskgraph, gpu_budget, share_cpu, method=method, costs=share_costs,
+                              alignment=alignment, replay_receives=True, **options)
 
     with ThreadPoolExecutor(max_workers=len(shares), thread_name_prefix="turnip-share") as pool:
-        plans = list(pool.map(plan_of, shares))
-    parts: list[tuple[Slice, Plan]] = []
-    for device, (share, plan) in enumerate(zip(shares, plans)):
-        if plan.order is not None:
-            kept = [share.vertices[u] for u in plan.order if share.vertices[u] >= 0]
-            mine = set(kept)
-            if kept != [v for v in order if v in mine]:
-                log.info("device %d's plan reorders the step: no per-device candidate", device)
-                return None
-        parts.append((share, plan))
-    return cast_again_at_the_source(tg, merged(parts, order, gpu_budget, cpu_budget))
+        planned = list(pool.map(plans_of, shares))
+    for device, (share, plans) in enumerate(zip(shares, planned)):
+        for plan in plans:
+            if plan.order is not None:
+                kept = [share.vertices[u] for u in plan.order if share.vertices[u] >= 0]
+                mine = set(kept)
+                if kept != [v for v in order if v in mine]:
+                    log.info("device %d's plan reorders the step: no per-device candidate", device)
+                    return []
+    best = [(share, plans[0]) for share, plans in zip(shares, planned)]
+    out = [cast_again_at_the_source(tg, merged(best, order, gpu_budget, cpu_budget))]
+    if any(len(plans) > 1 for plans in planned):  # the greedy plans the ILP started from
+        started = [(share, plans[-1]) for share, plans in zip(shares, planned)]
+        out.append(cast_again_at_the_source(tg, merged(started, order, gpu_budget, cpu_budget)))
+    return out
 
 
 def merged(parts: list[tuple[Slice, Plan]], order: list[int], gpu_budget: int, cpu_budget: int | None) -> Plan:

@@ -20,11 +20,12 @@ the first and last layers often differ (what their recomputations may read at th
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from ..ir.taskgraph import TaskGraph
+from ..ir.taskgraph import MESSAGE_OPS, TaskGraph, Vertex
 from .costs import signature
 from .memory import Decisions, Evaluation
 from .model import KEEP, Group, Problem
@@ -96,9 +97,17 @@ def _forward_elements(tg: TaskGraph) -> dict[tuple[str, int], list[int]]:
 
 def _signature(tg: TaskGraph, element: tuple[str, int], vertices: list[int]) -> tuple:
     """Per vertex its module below the element and its op signature (the op on its inputs' and
-    outputs' shapes, strides and dtypes: what the op-cost cache keys measured times by)."""
+    outputs' shapes, strides and dtypes: what the op-cost cache keys measured times by). A
+    message's tag, its place among the step's messages, differs from layer to layer and is left
+    out: a device's share of a step receives each layer's weights alike (memgraph/per_device.py)."""
     below = len(f"{element[0]}.{element[1]}")
-    return tuple((tg.vertices[v].module[below:], signature(tg, tg.vertices[v])) for v in vertices)
+    return tuple((tg.vertices[v].module[below:], signature(tg, _untagged(tg.vertices[v]))) for v in vertices)
+
+
+def _untagged(vertex: Vertex) -> Vertex:
+    if vertex.op not in MESSAGE_OPS:
+        return vertex
+    return dataclasses.replace(vertex, kwargs={k: v for k, v in vertex.kwargs.items() if k != "tag"})
 
 
 def _items_below(problem: Problem, element: tuple[str, int]) -> dict[str, int]:

@@ -115,6 +115,13 @@ def run_plan(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, meth
     return _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, describe, **opts)[0]
 
 
+def plan_and_start(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
+                   time_limit: float | None = None, costs: CostModel | None = None, **opts) -> list[Plan]:
+    """run_plan's plan, then, where that is the ILP's, the greedy plan it started from when it fits
+    the model too (one problem: no second headroom, as plan_candidates makes)."""
+    return _candidates(tg, gpu_budget, cpu_budget, method, time_limit, costs, **opts)
+
+
 def plan_candidates(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None = None, method: str = "auto",
                     time_limit: float | None = None, costs: CostModel | None = None,
                     describe: Describe | None = None, planned: Callable[[list[Plan]], None] | None = None,

@@ -508,7 +508,7 @@ def test_a_per_device_plan_that_built_leaves_the_planned_as_one_to_be_made_again
     devices' work on one device: the per-device plan (memgraph/per_device.py) carries none (its shares'
     are in its stats), so a planned-as-one candidate that left a device short is still made again for
     less beside it."""
-    from turnip.memgraph.per_device import per_device_plan
+    from turnip.memgraph.per_device import per_device_plans
     from turnip.planners.costs import CostModel
     from turnip.trace.tracer import trace_step
 
@@ -518,8 +518,8 @@ def test_a_per_device_plan_that_built_leaves_the_planned_as_one_to_be_made_again
     costs = CostModel(device="cpu")
     costs.annotate(tg)
     budget = compiler.everything_kept(tg, 64)[1] // 2
-    per_device = per_device_plan(tg, budget, None, costs, 64)
-    assert per_device is not None and per_device.planner == "greedy/per-device"
+    [per_device] = per_device_plans(tg, budget, None, costs, 64)  # greedy shares: one plan
+    assert per_device.planner == "greedy/per-device"
     assert per_device.predicted_time is None and len(per_device.stats["per_device_predicted_s"]) == 2
     as_one = compiler.make_plan(tg, compiler.planning_budget(tg, budget), None, "greedy", costs=costs, alignment=64)
     short = InfeasibleBudget("short", minimum=budget + 1)
@@ -536,7 +536,7 @@ def _two_device_step(gpt_case):
 
 
 def test_each_share_is_planned_as_the_whole_step_on_cuda_with_auto_and_greedily_elsewhere(gpt_case, monkeypatch):
-    """plan_step asks per_device_plan for the ILP's shares where compile plans every candidate (CUDA,
+    """plan_step asks per_device_plans for the ILP's shares where compile plans every candidate (CUDA,
     planner "auto"), and for greedy ones elsewhere (the CPU backend, another planner)."""
     import types
 
@@ -545,8 +545,9 @@ def test_each_share_is_planned_as_the_whole_step_on_cuda_with_auto_and_greedily_
 
     def recorded(tg, gpu_budget, cpu_budget, costs, alignment, method="greedy", **options):
         methods.append(method)
+        return []
 
-    monkeypatch.setattr(compiler, "per_device_plan", recorded)
+    monkeypatch.setattr(compiler, "per_device_plans", recorded)
     progress = types.SimpleNamespace(describe=lambda *args: None)
     for device, planner in (("cuda", "auto"), ("cpu", "auto"), ("cuda", "greedy")):
         compiler.plan_step(tg, budget, None, planner, torch.device(device), costs, 64, progress, {})
@@ -554,16 +555,22 @@ def test_each_share_is_planned_as_the_whole_step_on_cuda_with_auto_and_greedily_
 
 
 def test_the_ilp_plans_each_share_when_asked(gpt_case):
-    """per_device_plan(method="auto"): each share planned by the driver's auto method (greedy, then
-    the ILP), side by side on threads, and merged on the whole step."""
-    from turnip.memgraph.per_device import per_device_plan
+    """per_device_plans(method="auto"): each share planned by the driver's auto method (greedy, then
+    the ILP), side by side on threads, and merged on the whole step; where the ILP won a share, the
+    greedy plans it started from merged too, a second candidate."""
+    from turnip.memgraph.per_device import per_device_plans
 
     tg, costs, budget = _two_device_step(gpt_case)
-    plan = per_device_plan(tg, budget, None, costs, 64, method="auto")
-    assert plan is not None and [share["method"] for share in plan.stats["per_device"]] == ["auto", "auto"]
-    assert all("time_limit" in share or "reason" in share for share in plan.stats["per_device"])
-    greedy_plan = per_device_plan(tg, budget, None, costs, 64)
+    plans = per_device_plans(tg, budget, None, costs, 64, method="auto")
+    assert [share["method"] for share in plans[0].stats["per_device"]] == ["auto", "auto"]
+    assert all("time_limit" in share or "reason" in share for share in plans[0].stats["per_device"])
+    [greedy_plan] = per_device_plans(tg, budget, None, costs, 64)
     assert [share["method"] for share in greedy_plan.stats["per_device"]] == ["greedy", "greedy"]
+    ilp_won = any("improvement_over_greedy" in share for share in plans[0].stats["per_device"])
+    assert len(plans) == (2 if ilp_won else 1)
+    if ilp_won:  # the second is the greedy shares' plan
+        assert (plans[1].recompute, plans[1].offload, plans[1].home) == \
+            (greedy_plan.recompute, greedy_plan.offload, greedy_plan.home)
 
 
 def test_a_share_without_a_plan_leaves_the_planned_as_one_candidates(gpt_case, monkeypatch):
@@ -572,7 +579,7 @@ def test_a_share_without_a_plan_leaves_the_planned_as_one_candidates(gpt_case, m
     def refused(*args, **kwargs):
         raise InfeasibleBudget("a share needs more", minimum=1 << 40)
 
-    monkeypatch.setattr(compiler, "per_device_plan", refused)
+    monkeypatch.setattr(compiler, "per_device_plans", refused)
     mg = compiled(gpt_case, 2, budget=0.45)
     assert not mg.plan.planner.endswith("/per-device")
     assert not any("per-device" in name for name in mg.stats.get("simulated_candidates", {}))
@@ -748,3 +755,52 @@ def test_a_cast_received_again_is_cast_again_on_its_owner_and_stays_bitwise(auto
     mg.optimizer = CompiledOptimizer(mg, optimizer)
     mg.initial_state, mg.names, mg.device = dict(tg.initial_state), dict(tg.state_names), "cpu"
     assert_matches_eager(mg, autocast_case, devices, "random", seed=8, make_opt=adam)
+
+
+def test_where_the_ilp_won_a_share_the_greedy_shares_are_a_second_candidate(gpt_case, monkeypatch):
+    """A share's model does not see the other devices' waits, so where the ILP's plan of a share
+    beat its greedy plan, per_device_plans merges the greedy plans too (the ILP's first) and the
+    simulator picks between them."""
+    from turnip.memgraph import per_device
+
+    tg, costs, budget = _two_device_step(gpt_case)
+    real = per_device.plan_and_start
+
+    def ilp_won_the_first(share_tg, *args, **kwargs):  # the shares are planned on threads: by rank, not by turn
+        [greedy] = real(share_tg, *args, **{**kwargs, "method": "greedy"})
+        if share_tg.rank != 0 or kwargs["method"] != "auto":
+            return [greedy]
+        won = dataclasses.replace(greedy, planner="ilp", offload=set(), recompute=[], home={})  # stands in for the ILP's
+        return [won, greedy]
+
+    monkeypatch.setattr(per_device, "plan_and_start", ilp_won_the_first)
+    first, second = per_device.per_device_plans(tg, budget, None, costs, 64, method="auto")
+    assert first.planner == "ilp/per-device" and second.planner == "greedy/per-device"
+    [greedy_shares] = per_device.per_device_plans(tg, budget, None, costs, 64)
+    assert (second.recompute, second.offload, second.home) == \
+        (greedy_shares.recompute, greedy_shares.offload, greedy_shares.home)
+    assert (first.offload, first.home) != (second.offload, second.home)
+
+
+def test_a_devices_share_finds_its_repeated_blocks_whatever_its_messages_tags():
+    """A share receives each layer's weights in messages whose tags (their places among the step's
+    messages) differ from layer to layer; the blocks are found in it as in the whole step, so the
+    ILP ties them (planners/blocks.py)."""
+    from turnip.planners.blocks import find_blocks
+
+    from turnip import gpt
+
+    torch.manual_seed(0)
+    cfg = gpt.GPTConfig(n_layers=8)  # deep enough that a share holds layers alike (4 layers: the ends differ)
+    model = gpt.GPT(cfg)
+    tg = trace_step(model, bf16_autocast(gpt.lm_loss), gpt.example_batch(cfg), optimizer=adamw(model.parameters()),
+                    device="cpu", devices=2).finished(casts_travel=True)
+    costs = CostModel(device="cpu")
+    costs.annotate(tg)
+    share = sliced(tg, 1, 2, order=step_order(tg)).taskgraph
+    costs.annotate(share)
+    assert any(v.op == RECV for v in share.vertices)
+    problem = make_problem(share, compiler.everything_kept(share, 64)[1] // 3, None, costs, alignment=64,
+                           replay_receives=True)
+    found = find_blocks(problem)
+    assert found and sum(len(block.instances) for block in found) >= 2
