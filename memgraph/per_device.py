@@ -34,7 +34,7 @@ forward to the other device's backward. On the 2 x H200 export with the casts tr
 -m turnip.bench.replan plan --step bench/results/h200x2/steps/step_gpt1.3b_x2_casts_s6.step
 --budgets 0.5,0.25,0.2 --eager-peak 39829110784 --planner-option time_limit=10`), at 25% this plan
 simulates 260.5 ms, where before the fastest candidate simulated 339.8 (and 327.2 with replicas);
-at 20%, 329.8 against 351.0; at 50% the planned-as-one plan stays fastest (176.3)
+at 20% and 50% planned-as-one plans stay fastest (318.1 and 176.3)
 (bench/results/2026-11-29_cpu_replayed-receives.md).
 """
 
