@@ -58,6 +58,16 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
 
 
+def traced_on_devices(model, loss_fn, batch, optimizer, devices: int, casts_travel: bool = False):
+    """The step traced on ``devices`` virtual CPU devices and priced by the analytic cost model:
+    (TaskGraph, CostModel)."""
+    tg = trace_step(model, loss_fn, batch, optimizer=optimizer, device="cpu", devices=devices).finished(
+        casts_travel=casts_travel)
+    costs = CostModel(device="cpu")
+    costs.annotate(tg)
+    return tg, costs
+
+
 def per_device(batches: list, devices: int, steps: int = 2) -> list[list]:
     return [[batches[(s * devices + d) % len(batches)] for d in range(devices)] for s in range(steps)]
 
@@ -509,14 +519,10 @@ def test_a_per_device_plan_that_built_leaves_the_planned_as_one_to_be_made_again
     are in its stats), so a planned-as-one candidate that left a device short is still made again for
     less beside it."""
     from turnip.memgraph.per_device import per_device_plans
-    from turnip.planners.costs import CostModel
-    from turnip.trace.tracer import trace_step
 
     model, loss_fn, batches = gpt_case
     mine = copy.deepcopy(model)
-    tg = trace_step(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu", devices=2).finished()
-    costs = CostModel(device="cpu")
-    costs.annotate(tg)
+    tg, costs = traced_on_devices(mine, loss_fn, batches[0], adamw(mine.parameters()), 2)
     budget = compiler.everything_kept(tg, 64)[1] // 2
     [per_device] = per_device_plans(tg, budget, None, costs, 64)  # greedy shares: one plan
     assert per_device.planner == "greedy/per-device"
@@ -529,9 +535,7 @@ def test_a_per_device_plan_that_built_leaves_the_planned_as_one_to_be_made_again
 def _two_device_step(gpt_case):
     model, loss_fn, batches = gpt_case
     mine = copy.deepcopy(model)
-    tg = trace_step(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu", devices=2).finished()
-    costs = CostModel(device="cpu")
-    costs.annotate(tg)
+    tg, costs = traced_on_devices(mine, loss_fn, batches[0], adamw(mine.parameters()), 2)
     return tg, costs, compiler.everything_kept(tg, 64)[1] // 2
 
 
@@ -627,9 +631,7 @@ def test_a_plan_keeps_the_copies_between_devices_it_made_again_and_stays_bitwise
     model, loss_fn, batches = autocast_case
     mine = copy.deepcopy(model)
     optimizer = adamw(mine.parameters())
-    tg = trace_step(mine, loss_fn, batches[0], optimizer=optimizer, device="cpu", devices=2).finished(casts_travel=True)
-    costs = CostModel(device="cpu")
-    costs.annotate(tg)
+    tg, costs = traced_on_devices(mine, loss_fn, batches[0], optimizer, 2, casts_travel=True)
     plan = compiler.make_plan(tg, int(0.3 * compiler.everything_kept(tg, 64)[1]), None, "greedy", costs=costs,
                               alignment=64)
     again = [r for r in plan.recompute if tg.transfer_source(tg.vertices[r.vertex]) is not None]
@@ -652,10 +654,7 @@ def test_a_devices_share_may_receive_a_cast_again_where_a_ranks_may_not(autocast
     step's copy runs again); a rank's share (the default) receives each message once."""
     model, loss_fn, batches = autocast_case
     mine = copy.deepcopy(model)
-    tg = trace_step(mine, loss_fn, batches[0], optimizer=adamw(mine.parameters()), device="cpu",
-                    devices=2).finished(casts_travel=True)
-    costs = CostModel(device="cpu")
-    costs.annotate(tg)
+    tg, costs = traced_on_devices(mine, loss_fn, batches[0], adamw(mine.parameters()), 2, casts_travel=True)
     share = sliced(tg, 1, 2, order=step_order(tg)).taskgraph
     costs.annotate(share)
     budget = int(0.3 * compiler.everything_kept(share, 64)[1])
@@ -682,9 +681,7 @@ def test_the_cast_of_a_layer_norms_output_is_recomputed_by_running_the_norm_agai
     for devices in (1, 2):
         mine = copy.deepcopy(model)
         optimizer = adamw(mine.parameters())
-        tg = trace_step(mine, loss_fn, batches[0], optimizer=optimizer, device="cpu", devices=devices).finished()
-        costs = CostModel(device="cpu")
-        costs.annotate(tg)
+        tg, costs = traced_on_devices(mine, loss_fn, batches[0], optimizer, devices)
         problem = make_problem(tg, 1 << 40, None, costs, alignment=64)
         group_at = {g.vertex: g for g in problem.groups}
         casts = [g for g in problem.groups if tg.vertices[g.vertex].op == "aten::_to_copy"
@@ -722,10 +719,7 @@ def test_a_cast_received_again_is_cast_again_on_its_owner_and_stays_bitwise(auto
     for make_opt in (adamw, adam):
         mine = copy.deepcopy(model)
         optimizer = make_opt(mine.parameters())
-        tg = trace_step(mine, loss_fn, batches[0], optimizer=optimizer, device="cpu",
-                        devices=devices).finished(casts_travel=True)
-        costs = CostModel(device="cpu")
-        costs.annotate(tg)
+        tg, costs = traced_on_devices(mine, loss_fn, batches[0], optimizer, devices, casts_travel=True)
         fraction = 0.3 if make_opt is adamw else 0.25  # where the greedy plan receives some casts again
         plan = compiler.make_plan(tg, int(fraction * compiler.everything_kept(tg, 64)[1]), None, "greedy",
                                   costs=costs, alignment=64)
@@ -793,10 +787,8 @@ def test_a_devices_share_finds_its_repeated_blocks_whatever_its_messages_tags():
     torch.manual_seed(0)
     cfg = gpt.GPTConfig(n_layers=8)  # deep enough that a share holds layers alike (4 layers: the ends differ)
     model = gpt.GPT(cfg)
-    tg = trace_step(model, bf16_autocast(gpt.lm_loss), gpt.example_batch(cfg), optimizer=adamw(model.parameters()),
-                    device="cpu", devices=2).finished(casts_travel=True)
-    costs = CostModel(device="cpu")
-    costs.annotate(tg)
+    tg, costs = traced_on_devices(model, bf16_autocast(gpt.lm_loss), gpt.example_batch(cfg), adamw(model.parameters()),
+                                  2, casts_travel=True)
     share = sliced(tg, 1, 2, order=step_order(tg)).taskgraph
     costs.annotate(share)
     assert any(v.op == RECV for v in share.vertices)
