@@ -51,7 +51,7 @@ from ..planners.costs import CostModel
 from ..planners.driver import plan_and_start
 from ..planners.model import step_order
 from ..trace.ranks import Slice, sliced
-from .remake_offloaded import made_from_gpu_weights
+from .remake_offloaded import in_place_writers, made_from_gpu_weights
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +135,7 @@ def cast_again_at_the_source(tg: TaskGraph, plan: Plan) -> Plan:
     forward to the receiver's backward. Not where a weight it reads is updated in place before."""
     order = plan.order if plan.order is not None else list(range(len(tg.vertices)))
     position = {vid: k for k, vid in enumerate(order)}
-    first_update: dict[int, int] = {}
-    for vertex in tg.vertices:
-        for old, _ in vertex.copy_in:
-            first_update[old] = min(first_update.get(old, len(order)), position[vertex.id])
+    first_update = in_place_writers(tg, position)
     recompute, again = [], set()
     for rc in plan.recompute:
         source = tg.transfer_source(tg.vertices[rc.vertex])

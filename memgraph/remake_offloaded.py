@@ -35,7 +35,7 @@ def recompute_evicted(tg: TaskGraph, plan: Plan, mg: MemGraph, costs) -> Plan | 
     homes = set(mg.homes.values())
     order = list(range(len(tg.vertices))) if plan.order is None else list(plan.order)
     position = {vid: k for k, vid in enumerate(order)}
-    updated_at = _in_place_writers(tg, position)
+    updated_at = in_place_writers(tg, position)
     serial_rank = {vid: k for k, vid in enumerate(mg.serial)}
     first_reload: dict[int, int] = {}
     for mv in mg.vertices:
@@ -97,7 +97,7 @@ def _cheap_producer(tg: TaskGraph, plan: Plan, value: int, costs) -> int | None:
     return producer
 
 
-def _in_place_writers(tg: TaskGraph, position: dict[int, int]) -> dict[int, int]:
+def in_place_writers(tg: TaskGraph, position: dict[int, int]) -> dict[int, int]:
     """Per value written in place (an optimizer update's parameter): the plan-order position of its
     first writer."""
     first: dict[int, int] = {}
