@@ -74,7 +74,10 @@ def floor_and_sim(mg, device, eager_step_s: float | None, sim_trace: Path | None
     if is_cuda(device):
         compute, basis = fl["compute"], "cost model (measured)"
         link = (fl["h2d"], fl["d2h"])
-        out.update(h2d_bandwidth=costs.h2d_bandwidth, d2h_bandwidth=costs.d2h_bandwidth)
+        # the duplex rate too: on the H200 it measured 74.7-101 GB/s between processes, and the simulator
+        # follows it (bench/results/2026-11-29_h200_same-call-rows.md)
+        out.update(h2d_bandwidth=costs.h2d_bandwidth, d2h_bandwidth=costs.d2h_bandwidth,
+                   duplex_bandwidth=costs.duplex_bandwidth)
     else:
         compute, basis = eager_compute, "eager step x recompute share (no link on the CPU)"
         link = (None, None)
