@@ -37,7 +37,7 @@ from ..ir.memgraph import MemGraph, Stream
 from ..ir.optimizer import mark_stepped
 from .completions import completion_mode
 from .errors import EngineError
-from .loop import Interrupts, Record, Scheduler, drive
+from .loop import Interrupts, LoopTime, Record, Scheduler, drive
 from .policy import Policy, make_policy
 from .resources import StreamPool, WorkspacePool, stream_counts, transfer_depth
 from .timeline import write_timeline
@@ -116,6 +116,7 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", timeli
                               WorkspacePool(runtime.workspace_capacity))
         step = runtime.step + 1
         records: list[Record] = []
+        loop_time = LoopTime()
         # fuzzing: random orders also get random worker delays where a backend supports them
         runtime.fuzz_seed = getattr(policy, "seed", None) if policy.name == "random" else None
         runtime.timing = timeline is not None  # device timestamps cost events: only for a timeline
@@ -136,7 +137,8 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", timeli
                 notify = completions.put
                 drive(mg, scheduler, lambda item: runtime.launch(item, notify), completions, records,
                       interrupts=interrupts, stop=runtime.cancel_step,
-                      finish=lambda: bool(runtime.home_writers.intersection(scheduler.launch_order)))
+                      finish=lambda: bool(runtime.home_writers.intersection(scheduler.launch_order)),
+                      spent=loop_time)
                 outputs = runtime.end_step()
                 # the step counter moves only when the step completed, so a stopped step can be rerun
                 runtime.step = step
@@ -160,6 +162,7 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", timeli
                         log.exception("abort_step failed after step %d stopped", step)
                 runtime.interrupts = None
                 runtime.last_records = records
+                runtime.last_loop_time = loop_time
                 runtime.last_launch_order = scheduler.launch_order
                 if timeline is not None:
                     write_timeline(timeline, mg, runtime.device_records(records, origin), graph.keys, origin,

@@ -114,6 +114,7 @@ class Runtime:
         self._ranks: dict[str, list[int]] = {}
         self.last_records: list = []  # Record of the last step (for traces and tests)
         self.last_launch_order: list[int] = []
+        self.last_loop_time = None  # loop.LoopTime of the last step: where the loop thread's time went
         # vertices that overwrite a home (updates in place, write-backs): once one has run, a failed
         # step leaves some weights at step N and others at step N-1
         home_places = set(mg.homes.values())

@@ -92,6 +92,18 @@ def test_state_dict_before_any_run_is_initial_state():
     assert torch.equal(sd["W"], mg.initial_state[mg.names["W"]])
 
 
+def test_the_loop_says_where_its_time_went():
+    """Every unit launched once; the loop's wait and its launching add up to the step's wall time."""
+    mg, batch, _ = wide_graph(chains=3, length=4)
+    engine.run(mg, batch(0), streams={"compute": 2})
+    spent, runtime = mg.runtime.last_loop_time, mg.runtime
+    assert spent.launches == runtime.graph.n == len(runtime.last_records)
+    assert 0.0 <= spent.waiting_s <= spent.wall_s
+    assert 0.0 <= spent.busy_s == pytest.approx(spent.wall_s - spent.waiting_s)
+    engine.run(mg, batch(1))
+    assert mg.runtime.last_loop_time is not spent  # each step its own
+
+
 def test_timeline_file_written_and_parses(tmp_path):
     mg, batch, _ = wide_graph(chains=3, length=3)
     path = tmp_path / "step.json"

@@ -130,6 +130,11 @@ def test_suite_tiny_end_to_end(tmp_path):
     assert turnip["planner_options"] == {"reload_room": True}  # reached compile (which refuses unknown options)
     assert turnip["max_loss_diff"] == 0.0 and turnip["math"] == "eager"  # CPU backend: bitwise eager numbers
     assert turnip["sim_step_s"] > 0 and turnip["floor_s"] > 0
+    # the loop's own time over the one timed step, beside what the simulator charged for its launches
+    assert turnip["loop_launches"] == turnip["vertices"]  # on the CPU every vertex is a unit (no segments)
+    assert 0 < turnip["loop_busy_s"] <= turnip["step_s_median"]
+    assert turnip["loop_busy_us_per_launch"] == pytest.approx(turnip["loop_busy_s"] / turnip["loop_launches"] * 1e6)
+    assert turnip["sim_host_per_launch_us"] == 15.0 and turnip["sim_host_busy_s"] > 0
     # the compute's idle time by cause, read from each budget's traces (bench/trace_waits.py)
     for row in (turnip, rows[("turnip", 1.0)]):
         for key in ("trace_idle_ms_by_cause", "sim_idle_ms_by_cause"):

@@ -10,6 +10,7 @@ optimizer updates one after another where the plan runs some there).
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -59,6 +60,18 @@ def compute_counts(mg) -> tuple[int, int]:
     return total, total - recomputed
 
 
+def loop_facts(loop_times: list) -> dict:
+    """The loop thread's own cost per launch over the timed steps (engine.loop.LoopTime), the median,
+    beside what the simulator charges (sim_host_per_launch_us, from floor_and_sim): on one H200 the
+    traced steps of gpt350m at 50% launched a unit every 45-51 us where the simulator charged 15
+    (bench/results/2026-11-29_h200_same-call-rows.md)."""
+    if not loop_times:
+        return {}
+    return {"loop_busy_us_per_launch": statistics.median(t.busy_s / max(1, t.launches) for t in loop_times) * 1e6,
+            "loop_busy_s": statistics.median(t.busy_s for t in loop_times),
+            "loop_launches": loop_times[-1].launches}
+
+
 def floor_and_sim(mg, device, eager_step_s: float | None, sim_trace: Path | None) -> dict:
     """The floor and the simulator's step time. On CUDA the cost model measures op times and the link
     (cached on disk); elsewhere there is no link to measure and the analytic rates describe some other
@@ -92,7 +105,8 @@ def floor_and_sim(mg, device, eager_step_s: float | None, sim_trace: Path | None
                floor_compute_eager_s=eager_compute,
                floor_compute_model_s=fl["compute"], recompute_vertices=total - original)
     sim = simulate(mg, costs, backend="cuda")  # the CUDA engine's model, whatever device compiled it
-    out.update(sim_step_s=sim.step_time, sim_compute_idle_s=sim.compute_idle,
+    out.update(sim_step_s=sim.step_time, sim_compute_idle_s=sim.compute_idle, sim_host_busy_s=sim.host_busy,
+               sim_host_per_launch_us=sim.host_per_vertex * 1e6,
                sim_basis="cost model (measured)" if is_cuda(device) else "analytic H100-class cost model")
     if sim_trace is not None:
         sim.write_timeline(sim_trace, mg, meta={"budget": mg.plan.gpu_budget})
@@ -159,7 +173,15 @@ def run(workload: Workload, device, steps: int, budget: float, eager_peak: int |
         log.info("turnip @ %s: compiled in %.1fs, arena %.1f MiB, %d vertices", budget, result.extra["compile_s"],
                  mg.arena_bytes / 2**20, summary["vertices"])
         release_memory(device)  # compile may have measured ops on the device: count the steps only
-        timed_steps(result, lambda: engine.run(mg, batch)["loss"], steps, device, warmup=warmup, deadline=deadline)
+        loop_times = []
+
+        def step():
+            loss = engine.run(mg, batch)["loss"]
+            loop_times.append(mg.runtime.last_loop_time)
+            return loss
+
+        timed_steps(result, step, steps, device, warmup=warmup, deadline=deadline)
+        result.extra.update(loop_facts(loop_times[len(loop_times) - len(result.step_s):]))
         result.bytes_h2d, result.bytes_d2h = transfer_bytes(mg)
         if trace_path is not None:  # one more (untimed) step, traced; its failure must not cost the timings
             try:
