@@ -42,8 +42,9 @@ from ..ir.memgraph import Stream
 from ..planners.costs import CostModel
 from .models.sizes import make_workload
 from .peers import distributed, eager
-from .peers.common import ERROR, OK, TIMEOUT, PeerResult, Workload, is_cuda, release_memory, timed_steps, trainable
+from .peers.common import ERROR, OK, TIMEOUT, PeerResult, Workload, is_cuda, release_memory, trainable
 from .peers.isolated import run_limited
+from .peers.turnip_system import timed_turnip_steps
 from .results import result_path
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def run_turnip(workload: Workload, device_type: str, devices: int, budget: float
                         compile_phase_s=mg.stats.get("compile_phase_seconds"))
     release_memory(device_type)
     reset_peaks(device_type, devices)
-    timed_steps(result, lambda: engine.run(mg, batch)["loss"], steps, device_type, warmup=warmup)
+    timed_turnip_steps(result, mg, batch, steps, device_type, warmup=warmup)
     memory = device_memory(device_type, devices)
     result.extra["memory_per_device"] = memory
     result.extra["peak_reserved_per_device"] = [m["peak_reserved"] for m in memory] or [None] * devices
@@ -119,7 +120,9 @@ def run_turnip(workload: Workload, device_type: str, devices: int, budget: float
         costs = CostModel(device=device_type, devices=mg.taskgraph.devices)
         if any(v.time <= 0 for v in mg.taskgraph.vertices):
             costs.annotate(mg.taskgraph)
-        result.extra["sim_step_s"] = simulate(mg, costs, backend="cuda").step_time
+        sim = simulate(mg, costs, backend="cuda")
+        result.extra.update(sim_step_s=sim.step_time, sim_host_busy_s=sim.host_busy,
+                            sim_host_per_launch_us=sim.host_per_vertex * 1e6)
     except Exception as exc:  # noqa: BLE001 - the measured steps stand without a prediction
         log.warning("simulation failed: %r", exc)
     release_memory(device_type)

@@ -18,6 +18,9 @@ def test_suite_with_devices_writes_turnip_rows_beside_eager(tmp_path):
         row = rows[("turnip", budget)]
         assert row["status"] == "ok" and row["devices"] == 2 and row["step_s_median"] > 0
         assert row["bytes_d2d"] > 0  # the gradients and the refreshed weights cross between the devices
+        # one loop over both devices: every vertex of either is a unit it launched (no segments on the CPU)
+        assert row["loop_launches"] == row["vertices"] and 0 < row["loop_busy_s"] <= row["step_s_median"]
+        assert row["sim_host_per_launch_us"] > 0 and row["sim_host_busy_s"] > 0
     assert rows[("turnip", 0.8)]["arena_bytes"] < rows[("turnip", 1.0)]["arena_bytes"]
 
 

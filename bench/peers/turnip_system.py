@@ -60,6 +60,20 @@ def compute_counts(mg) -> tuple[int, int]:
     return total, total - recomputed
 
 
+def timed_turnip_steps(result: PeerResult, mg: MemGraph, batch, steps: int, device, warmup: int = 1,
+                       deadline: float | None = None) -> None:
+    """timed_steps of engine.run(mg, batch), and the loop's own time over the timed ones (loop_facts)."""
+    loop_times = []
+
+    def step():
+        loss = engine.run(mg, batch)["loss"]
+        loop_times.append(mg.runtime.last_loop_time)
+        return loss
+
+    timed_steps(result, step, steps, device, warmup=warmup, deadline=deadline)
+    result.extra.update(loop_facts(loop_times[len(loop_times) - len(result.step_s):]))
+
+
 def loop_facts(loop_times: list) -> dict:
     """The loop thread's own cost per launch over the timed steps (engine.loop.LoopTime), the median,
     beside what the simulator charges (sim_host_per_launch_us, from floor_and_sim): on one H200 the
@@ -173,15 +187,7 @@ def run(workload: Workload, device, steps: int, budget: float, eager_peak: int |
         log.info("turnip @ %s: compiled in %.1fs, arena %.1f MiB, %d vertices", budget, result.extra["compile_s"],
                  mg.arena_bytes / 2**20, summary["vertices"])
         release_memory(device)  # compile may have measured ops on the device: count the steps only
-        loop_times = []
-
-        def step():
-            loss = engine.run(mg, batch)["loss"]
-            loop_times.append(mg.runtime.last_loop_time)
-            return loss
-
-        timed_steps(result, step, steps, device, warmup=warmup, deadline=deadline)
-        result.extra.update(loop_facts(loop_times[len(loop_times) - len(result.step_s):]))
+        timed_turnip_steps(result, mg, batch, steps, device, warmup=warmup, deadline=deadline)
         result.bytes_h2d, result.bytes_d2h = transfer_bytes(mg)
         if trace_path is not None:  # one more (untimed) step, traced; its failure must not cost the timings
             try:
