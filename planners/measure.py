@@ -236,32 +236,53 @@ def measure_d2d(source: str, target: str, nbytes: int = 256 << 20, runs: int = 5
     return rate
 
 
+def both_ways_rate(ends: list[list[float]], nbytes: int) -> float:
+    """Bytes/s moved while every direction was busy, from each direction's copy end times (seconds
+    from their common start, one per ``nbytes`` copy, in order): the copies every direction had
+    finished by the time the first ran out of copies, over that time. A copy still running then is
+    left out (with 16 copies a direction, at most a sixteenth too low), since when it began is not
+    known. The time the last direction takes alone after that is not the link moving both ways, and
+    counting it made the rate depend on how the copy engines shared the link between the directions."""
+    first = min(times[-1] for times in ends)
+    done = sum(1 for times in ends for end in times if end <= first)
+    return done * nbytes / first
+
+
 def measure_duplex(device: str, nbytes: int = 64 << 20, copies: int = 16, runs: int = 3) -> float:
     """Bytes/s the link moves in all with pinned copies running each way at once (two streams,
     ``copies`` of ``nbytes`` each way, so the two directions overlap for nearly all of it: with one
     64 MiB copy each way the H100 measured 71 GB/s, with 48 each way 99 GB/s, bench/pinned_memory.py):
-    less than the two directions' own rates added (89.4 GB/s on the H100 against 55 each way alone)."""
+    less than the two directions' own rates added (89.4 GB/s on the H100 against 55 each way alone).
+    Each run's rate is both_ways_rate of its copies' end times: on one H200, a compile that timed the
+    runs to their last copy measured 74.7 GB/s where others measured 100, and its simulated steps at
+    25% and 10% of eager's memory came out 12-13% slower than they ran
+    (bench/results/2026-11-29_h200_same-call-rows.md)."""
     dev = torch.device(device)
     host_in, host_out = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
     gpu_in, gpu_out = (torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(2))
     streams = [torch.cuda.Stream(dev) for _ in range(2)]
-    samples = []
+    samples, finished = [], []
     for k in range(runs + 1):  # the first is a warm-up
         torch.cuda.synchronize(dev)
         start = torch.cuda.Event(enable_timing=True)
-        ends = [torch.cuda.Event(enable_timing=True) for _ in streams]
+        ends = [[torch.cuda.Event(enable_timing=True) for _ in range(copies)] for _ in streams]
         start.record()
-        for stream, end, (dst, src) in zip(streams, ends, ((gpu_in, host_in), (host_out, gpu_out)), strict=True):
+        for stream, stream_ends, (dst, src) in zip(streams, ends, ((gpu_in, host_in), (host_out, gpu_out)),
+                                                   strict=True):
             stream.wait_event(start)
             with torch.cuda.stream(stream):
-                for _ in range(copies):
+                for end in stream_ends:
                     dst.copy_(src, non_blocking=True)
-                end.record()
+                    end.record()
         torch.cuda.synchronize(dev)
         if k:
-            samples.append(2 * copies * nbytes / (max(start.elapsed_time(end) for end in ends) / 1e3))
+            seconds = [[start.elapsed_time(end) / 1e3 for end in stream_ends] for stream_ends in ends]
+            samples.append(both_ways_rate(seconds, nbytes))
+            finished.append("/".join(f"{times[-1] * 1e3:.1f}" for times in seconds))
     rate = link_capacity(samples)
-    log.info("link bandwidth on %s, both ways at once: %.1f GB/s in all", device_name(device), rate / 1e9)
+    log.info("link bandwidth on %s, both ways at once: %.1f GB/s in all (runs %s GB/s; host-to-device / "
+             "device-to-host copies done at %s ms)", device_name(device), rate / 1e9,
+             ", ".join(f"{x / 1e9:.1f}" for x in samples), ", ".join(finished))
     return rate
 
 

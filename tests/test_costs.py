@@ -169,6 +169,22 @@ def test_a_link_is_measured_by_its_fastest_copy_not_its_median():
     assert measure_mod.link_capacity(iter(samples)) == 55.0e9  # measure_host_links passes a generator
 
 
+def test_both_ways_rate_counts_only_the_time_both_directions_copy():
+    """The duplex rate is what moves while both directions are busy: a direction the copy engines
+    served first, then left to finish alone, must not make the link look slower both ways."""
+    mib = 1 << 20
+    # even: both directions end each copy together, 4 copies in 1 s
+    even = [[0.25, 0.5, 0.75, 1.0], [0.25, 0.5, 0.75, 1.0]]
+    assert measure_mod.both_ways_rate(even, mib) == pytest.approx(8 * mib / 1.0)
+    # uneven: host-to-device done at 1 s, when the other way had 2 copies done, then ran on alone (its
+    # last copy ending at 2 s): the 6 copies done in the 1 s both were busy (timed to the last copy: 8 in 2 s)
+    uneven = [[0.25, 0.5, 0.75, 1.0], [0.4, 0.8, 1.2, 2.0]]
+    assert measure_mod.both_ways_rate(uneven, mib) == pytest.approx(6 * mib / 1.0)
+    # one way after the other, no overlap: the first direction's rate alone
+    serial = [[0.25, 0.5, 0.75, 1.0], [1.25, 1.5, 1.75, 2.0]]
+    assert measure_mod.both_ways_rate(serial, mib) == pytest.approx(4 * mib / 1.0)
+
+
 def test_analytic_model_never_touches_the_disk(tmp_path, gpt_step):
     model = CostModel(measure=False, cache_dir=tmp_path / "nowhere")
     model.annotate(gpt_step.copy(), overwrite=True)
@@ -222,6 +238,9 @@ def test_measures_on_cuda(tmp_path):
     assert 0 < mm.time < 0.1 and 0 < gelu.time < 0.1
     assert mm.workspace >= 0
     assert 1e9 < model.h2d_bandwidth < 1e12 and 1e9 < model.d2h_bandwidth < 1e12
+    # both ways at once: at least one direction's rate (its copies alone), at most the two added
+    one_way = min(model.h2d_bandwidth, model.d2h_bandwidth)
+    assert 0.9 * one_way <= model.duplex_bandwidth <= model.h2d_bandwidth + model.d2h_bandwidth
     assert CostModel(device="cuda", cache_dir=tmp_path).h2d_bandwidth == model.h2d_bandwidth
 
 
