@@ -612,14 +612,13 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
     """
     records = [] if records is None else records
     spent = LoopTime() if spent is None else spent
-    began = time.perf_counter()
+    clock = time.perf_counter
+    began = clock()
     failure: tuple[int, BaseException] | None = None
     interrupt: BaseException | None = None
     finishing = False  # Ctrl-C came after an update began: the step runs to its end
     deadline: float | None = None  # set once the loop stops launching
     get = _timed_get(completions)
-
-    clock = time.perf_counter
 
     def wait(seconds: float) -> Completion | None:
         asked = clock()
@@ -711,7 +710,7 @@ def drive(mg: MemGraph, scheduler: Scheduler, launch: Callable[[Launch], None],
         scheduler.drained = scheduler.in_flight == 0
         raise
     finally:
-        spent.wall_s = time.perf_counter() - began
+        spent.wall_s = clock() - began
     scheduler.drained = scheduler.in_flight == 0
     note = None
     if not scheduler.drained:
