@@ -256,7 +256,8 @@ def measure_duplex(device: str, nbytes: int = 64 << 20, copies: int = 16, runs: 
     Each run's rate is both_ways_rate of its copies' end times: on one H200, a compile that timed the
     runs to their last copy measured 74.7 GB/s where others measured 100, and its simulated steps at
     25% and 10% of eager's memory came out 12-13% slower than they ran
-    (bench/results/2026-11-29_h200_same-call-rows.md)."""
+    (bench/results/2026-11-29_h200_same-call-rows.md). Whether a direction left to finish alone made
+    that rate low is not yet known: the log gives each run's rate and when each direction was done."""
     dev = torch.device(device)
     host_in, host_out = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
     gpu_in, gpu_out = (torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(2))
