@@ -90,12 +90,11 @@ def per_device_plans(tg: TaskGraph, gpu_budget: int, cpu_budget: int | None, cos
                 if kept != [v for v in order if v in mine]:
                     log.info("device %d's plan reorders the step: no per-device candidate", device)
                     return []
-    best = [(share, plans[0]) for share, plans in zip(shares, planned)]
-    out = [cast_again_at_the_source(tg, merged(best, order, gpu_budget, cpu_budget))]
-    if any(len(plans) > 1 for plans in planned):  # the greedy plans the ILP started from
-        started = [(share, plans[-1]) for share, plans in zip(shares, planned)]
-        out.append(cast_again_at_the_source(tg, merged(started, order, gpu_budget, cpu_budget)))
-    return out
+    # each share's first plan, then, where some share has two, the greedy plans the ILP started from
+    picks = (0, -1) if any(len(plans) > 1 for plans in planned) else (0,)
+    return [cast_again_at_the_source(tg, merged([(share, plans[k]) for share, plans in zip(shares, planned)],
+                                                order, gpu_budget, cpu_budget))
+            for k in picks]
 
 
 def merged(parts: list[tuple[Slice, Plan]], order: list[int], gpu_budget: int, cpu_budget: int | None) -> Plan:
