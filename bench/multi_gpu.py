@@ -10,7 +10,8 @@ its own torchrun.
 
 With ``--isolate`` each turnip budget (the first with the eager rows) runs in a process of its own, as
 the peers do, killed after ``--row-limit`` seconds: a crash or a device-side assert costs its row, a
-budget starts on GPUs the last one left clean, and one command still writes one JSON file. With
+budget starts on GPUs the last one left clean, and one command still writes one JSON file (rewritten after
+every row, so a run cut short keeps what it measured). With
 ``--ranks`` each budget runs again as ``turnip-ranks``: one process per GPU (or per ``--gpus-per-rank``
 GPUs) under torchrun, the step's devices split over ranks whose messages go through NCCL (compile's
 process_group=; the same step).
@@ -218,14 +219,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         datefmt="%H:%M:%S")
     rows, eager_peak = [], args.eager_peak
     budgets = [float(b.rstrip("%")) / (100 if b.endswith("%") else 1) for b in args.budgets.split(",") if b]
+    out = Path(args.out) if args.out else result_path(f"multi_gpu_{args.model}_x{args.devices}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    name, info = args.model + ("-tiny" if args.tiny else ""), None
+
+    def save() -> None:
+        # after every row: a call cut short by its time limit keeps the rows it measured
+        out.write_text(json.dumps({"model": name, "devices": args.devices, "device": args.device,
+                                   "eager_peak": eager_peak, "info": info, "rows": rows}, indent=1, default=str))
+
     if args.isolate:  # this process never builds the model nor touches a GPU: each budget's own process does
-        name, info = args.model + ("-tiny" if args.tiny else ""), None
         for budget in budgets:
             eager = eager_peak is None and not args.no_eager and not any(r["system"] == "eager" for r in rows)
             doc = run_budget_isolated(args, budget, eager_peak, eager)
             rows += doc["rows"]
             eager_peak = doc.get("eager_peak", eager_peak)
             name, info = doc.get("model", name), doc.get("info", info)
+            save()
         budgets = []
     else:
         workload = make_workload(args.model, tiny=args.tiny)
@@ -235,8 +245,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if is_cuda(args.device):
             rows.append(run_eager(workload, args.device, args.steps, args.warmup, fused=True))
         eager_peak = rows[0].get("peak_reserved") if rows[0]["status"] == OK else None
-    out = Path(args.out) if args.out else result_path(f"multi_gpu_{args.model}_x{args.devices}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+        save()
     for budget in budgets:
         for devices in ([1] if args.one_device_too else []) + [args.devices]:
             timeline = out.with_name(f"{out.stem}_d{devices}_{budget:g}.timeline.json") if args.timelines else None
@@ -246,6 +255,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             log.info("turnip x%d @ %.0f%%: %s ms, peak %s per device", devices, budget * 100,
                      f"{row['step_s_median'] * 1e3:.1f}" if row.get("step_s_median") else row.get("error"),
                      format_bytes(row["peak_reserved"]) if row.get("peak_reserved") else "-")
+            save()
     if args.ranks:
         for budget in budgets or [float(b) for b in sorted({r["budget"] for r in rows if r.get("budget")})]:
             rows.append(distributed.run_distributed(
@@ -254,10 +264,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 budget=int(budget * eager_peak) if eager_peak else budget,
                 timeline=out.with_name(f"{out.stem}_ranks_{budget:g}.timeline.json") if args.timelines else None)
                 | {"budget": budget})
-    if args.peers:
-        rows += run_peers(args.model, args.devices, args.peers.split(","), args.steps, args.peer_limit, args.tiny)
-    out.write_text(json.dumps({"model": name, "devices": args.devices, "device": args.device,
-                               "eager_peak": eager_peak, "info": info, "rows": rows}, indent=1, default=str))
+            save()
+    for system in args.peers.split(",") if args.peers else []:
+        rows += run_peers(args.model, args.devices, [system], args.steps, args.peer_limit, args.tiny)
+        save()
+    save()
     log.info("wrote %s", out)
     if not args.no_plots:
         from .plots import plot_pareto  # matplotlib is optional

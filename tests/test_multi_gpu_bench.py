@@ -92,3 +92,17 @@ def test_ranks_of_two_devices_each_run_under_torchrun(tmp_path):
         events = json.loads((tmp_path / f"ranks2x2_ranks_1.timeline.rank{rank}.json").read_text())
         names = {e.get("name", "") for e in (events["traceEvents"] if isinstance(events, dict) else events)}
         assert any("turnip::send" in n for n in names) and any("turnip::recv" in n for n in names), rank
+
+
+def test_rows_are_saved_as_they_are_measured_so_a_run_cut_short_keeps_them(tmp_path):
+    """The file is rewritten after every row: a later failure (here an unknown peer, refused once the
+    turnip row is measured) leaves the rows before it on disk."""
+    import pytest
+    from turnip.bench import multi_gpu
+
+    out = tmp_path / "cut.json"
+    with pytest.raises(ValueError, match="no-such-peer"):
+        multi_gpu.main(["--devices", "2", "--tiny", "--device", "cpu", "--budgets", "1.0", "--steps", "1",
+                        "--warmup", "0", "--no-eager", "--no-plots", "--peers", "no-such-peer", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["system"], row["status"], row["budget"]) == ("turnip", "ok", 1.0)
