@@ -11,6 +11,9 @@ them came last for the unit that ended the gap:
 
 - ``waits for <kind>``: a predecessor on another stream (a reload, an offload whose freed bytes the
   unit writes, ...) ended last; its name and size are listed;
+- ``waits for <kind> on another device``: the loop launched the unit as soon as it heard that a
+  predecessor on another device had ended (within LOOP_SLACK_US): a copy between devices is launched
+  only once its writers have run, so the wait is for that device, not for the host;
 - ``host launch``: the host launched the unit after the stream had run dry (the loop was late);
 - ``unexplained``: none of them is within the slack of its start (device scheduling, timer noise).
 
@@ -26,6 +29,7 @@ import json
 from pathlib import Path
 
 SLACK_US = 30.0  # a start this close after a time counts as caused by it (event and timer resolution)
+LOOP_SLACK_US = 200.0  # a launch this close after a predecessor's end: the loop reacting to hearing of it
 
 
 def load_units(path: Path) -> list[dict]:
@@ -72,6 +76,12 @@ def _why(e: dict, gap: float, prev_end: float, by_vertex: dict) -> dict:
         row["cause"] = f"waits for {last['cat']}"
         row["waited_for"] = {"unit": last["name"], "vertex": last["args"]["vertex"], "bytes": last["args"].get("bytes"),
                              "started_ms": round(last["ts"] / 1e3, 3), "took_us": round(last["dur"], 1)}
+    elif (last is not None and last["pid"] != e["pid"] and launched > prev_end and start - launched <= SLACK_US
+          and 0 <= launched - last_end <= LOOP_SLACK_US):
+        row["cause"] = f"waits for {last['cat']} on another device"
+        row["waited_for"] = {"unit": last["name"], "vertex": last["args"]["vertex"], "bytes": last["args"].get("bytes"),
+                             "started_ms": round(last["ts"] / 1e3, 3), "took_us": round(last["dur"], 1),
+                             "device": last["pid"]}
     elif launched > prev_end and start - launched <= SLACK_US:
         row["cause"] = "host launch"
     else:

@@ -365,3 +365,21 @@ def test_a_failed_capture_leaves_no_capture_underway_to_abort_the_process():
     done = subprocess.run([sys.executable, "-c", FAILED_CAPTURE_THEN_RELEASE], check=False, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "released" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_timelines_device_times_follow_the_hosts_launches(tmp_path):
+    """A traced step's device times are on the host's clock: no unit starts before the loop launched it.
+    They once counted from the step's start, before the step's timers were made, and ran ~9 ms early
+    on gpt1.3b (so bench/trace_waits.py blamed the host for gaps that were waits on another device)."""
+    import json
+
+    model, loss_fn, batches = make_case("gpt", device="cuda")
+    mg = memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(trainable(model)),
+                          budget=budget_bytes(model, loss_fn, batches[0], 0.5), device="cuda")
+    engine.run(mg, batches[0])
+    path = tmp_path / "step.json"
+    engine.run(mg, batches[1], timeline=path)
+    units = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X" and "launched" in e["args"]]
+    assert units
+    early = [(e["name"], e["ts"] - e["args"]["launched"]) for e in units if e["ts"] < e["args"]["launched"] - 50]
+    assert early == []

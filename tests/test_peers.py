@@ -159,6 +159,15 @@ def test_ablation_synthetic_nondeterministic_wins():
     assert summary[("synthetic, transfer_ahead 4", 0.0)]["det_over_nondet_median"] < 1.01
 
 
+def test_ablation_budget_is_a_fraction_or_bytes():
+    """The device ablation's --budget: a fraction stays one, an int is bytes (the multi_gpu rows' budget,
+    which memgraph.compile would refuse as a fraction above 1)."""
+    from turnip.bench.ablation import budget_arg
+
+    assert budget_arg("0.34") == 0.34 and isinstance(budget_arg("1"), float)
+    assert budget_arg("9957277696") == 9957277696 and isinstance(budget_arg("9957277696"), int)
+
+
 def test_planner_options_must_be_key_value():
     from turnip.bench.__main__ import main
 

@@ -614,6 +614,24 @@ def test_trace_names_what_each_unit_waited_for(tmp_path):
     assert gaps[0]["cause"] == "waits for reload" and gaps[0]["waited_for"]["vertex"] == 0
 
 
+def test_trace_waits_charges_a_launch_on_another_devices_end_to_that_device():
+    """Device 1 idles 4.9 ms before C: the loop launched C 50 us after A, C's predecessor on device 0,
+    ended (a copy between devices is launched once its writer has run), so the gap is A's, not the
+    host's. D, launched late with no such predecessor, stays the host's."""
+    from turnip.bench.trace_waits import explain_gaps
+
+    def unit(vertex, pid, ts, dur, launched, after=()):
+        return {"ph": "X", "name": f"u{vertex}", "cat": "compute", "pid": pid, "tid": pid, "ts": ts, "dur": dur,
+                "args": {"vertex": vertex, "launched": launched, "after": list(after)}}
+
+    units = [unit(0, 0, 0, 5000, 0), unit(1, 1, 0, 100, 0), unit(2, 1, 5060, 100, 5050, after=[0]),
+             unit(3, 1, 8000, 100, 7990, after=[2])]
+    gaps = {g["vertex"]: g for g in explain_gaps(units)}
+    assert gaps[2]["cause"] == "waits for compute on another device" and gaps[2]["waited_for"]["device"] == 0
+    assert gaps[2]["gap_us"] == pytest.approx(4960)
+    assert gaps[3]["cause"] == "host launch"
+
+
 def test_a_copy_between_devices_waits_for_its_writer_off_its_stream():
     """Device 0 runs a long kernel, device 2 a short one; device 1 copies in each one's output on its
     one copy stream, the long one's copy first in priority. Both kernels are reported at enqueue, so
