@@ -48,6 +48,7 @@ import torch
 
 from ..ir.budget import format_bytes
 from ..ir.memgraph import MemGraph, Stream
+from ..ir.sizes import lane_block
 from ..kernels.launch import PreparedVertex
 from ..kernels.step_state import RngReplay, StepContext
 from ..kernels.threads import host_threads
@@ -101,7 +102,7 @@ class CudaRuntime(Runtime):
         self._shared_keys: list[bool] = []  # per stream key, set per step: several instances this step
         self.outputs: dict[str, torch.Tensor] = {}
         self.host_out: dict[int, torch.Tensor] = {}
-        self.lane_pools = LanePools(mg.taskgraph.largest_workspace())
+        self.lane_pools = LanePools(lane_block(mg.taskgraph.largest_workspace(), mg.taskgraph.step_workspace()))
         self.segment_graphs = SegmentGraphs(mg, self.graph.units, self.lane_pools)
         self.shared_workspace = True  # set per step: False when a device has several compute streams
         self._ctx = None

@@ -13,8 +13,12 @@ So each compute lane (one CUDA stream instance) gets one torch.cuda.MemPool: its
 allocate from it (use_mem_pool) and its segments are captured into it. Sharing is safe for the
 reason one graph pool per stream is: the lane's work runs in stream order, so a block a graph's
 kernels use is never in use by a plain launch at the same time. And the pool is first given one
-block of the step's largest op workspace, which the temporaries then split and give back, so the
-lane reserves what the budget set aside for workspace rather than a block per size.
+block (``ir.sizes.lane_block``: the step's largest op workspace and the library workspaces), which
+the temporaries then split and give back, so the lane reserves what the budget set aside for
+workspace rather than a block per size. The library workspaces belong in that block: cuBLAS takes
+its 32 MiB from the lane's pool on the first matmul, and keeps it; with a block of the largest op
+workspace alone, gpt1.3b on two H200s then reserved a second 72 MiB segment per GPU for an op's
+temporaries (bench/results/h200x2/s17/call3/reserved_100.json).
 """
 
 from __future__ import annotations
@@ -27,21 +31,20 @@ import torch
 class LanePools:
     """The memory pool of each compute lane (key: the engine's (stream key, instance))."""
 
-    def __init__(self, largest_workspace: int):
-        self.largest_workspace = largest_workspace
+    def __init__(self, block: int):
+        self.block = block  # bytes each prewarmed pool is first given (ir.sizes.lane_block)
         self.pools: dict[tuple, tuple[torch.cuda.MemPool, torch.device]] = {}
         self.retired: list[torch.cuda.MemPool] = []  # pools a failed capture left unusable (kept: see renew)
 
     def add(self, lane: tuple, stream: torch.cuda.Stream, prewarm: bool) -> None:
-        """Make the pool of ``lane``, whose kernels run on ``stream``. prewarm: give it one block of
-        the largest op workspace (where the lane is its device's only compute lane: with several,
-        each would hold one)."""
+        """Make the pool of ``lane``, whose kernels run on ``stream``. prewarm: give it its first
+        block (where the lane is its device's only compute lane: with several, each would hold one)."""
         with torch.cuda.device(stream.device):  # a MemPool exists on the device current when it is made
             pool = torch.cuda.MemPool()
         self.pools[lane] = (pool, stream.device)
-        if prewarm and self.largest_workspace > 0:
+        if prewarm and self.block > 0:
             with torch.cuda.use_mem_pool(pool, stream.device), torch.cuda.stream(stream):
-                block = torch.empty(self.largest_workspace, dtype=torch.uint8, device=stream.device)
+                block = torch.empty(self.block, dtype=torch.uint8, device=stream.device)
                 del block  # its segment stays in the pool, free for the lane's temporaries
 
     def renew(self, lane: tuple) -> None:

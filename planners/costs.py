@@ -30,17 +30,13 @@ from typing import Any
 import torch
 
 from ..ir.costs import HostLinks
+from ..ir.sizes import ALLOCATOR_SLACK
 from ..ir.taskgraph import MESSAGE_OPS, RECV, ScalarRef, TaskGraph, TensorRef, Vertex
 from ..kernels.launch import writes_in_place
 from ..kernels.ops import resolve_op
 from . import measure
 
 log = logging.getLogger(__name__)
-# Beside the library workspaces, the small CUDA blocks of a step (generator states, scalar results,
-# the caller's batch) that no op's workspace counts. Without it the measured peaks on the H100 were
-# over their budgets by 2,560 bytes (the 7B prefill, prefill_s11.json) and by 1.2 and 1.5 MB
-# (gpt1.3b at 50% and 25%, suite_gpt1.3b_s9.json: peak_allocated against the budget)
-SMALL_BLOCKS = 2 << 20
 
 CACHE_VERSION = 2  # 2: workspace and time measured through PreparedVertex, back to back
 
@@ -323,13 +319,16 @@ class CostModel:
     @property
     def runtime_reserve(self) -> int:
         """Bytes the engine's compute stream keeps beside arena and op workspace: the cuBLAS and
-        cuBLASLt workspaces a new stream gets on its first matmul (measured), and SMALL_BLOCKS for
-        the step's own small blocks; 0 off CUDA."""
+        cuBLASLt workspaces a new stream gets on its first matmul (measured), and the caching
+        allocator's slack (``ir.sizes.ALLOCATOR_SLACK``: the segments it reserves beyond what it hands
+        out, the step's own small blocks among them); 0 off CUDA. Without the small blocks the peaks
+        on the H100 were over their budgets by 2,560 bytes to 1.5 MB (prefill_s11.json,
+        suite_gpt1.3b_s9.json); without the segments' rounding, reserved by 43 MiB on two H200s."""
         if not self._measures_device:
             return 0
         if self._reserve is None:
             self._reserve = measure.measure_stream_reserve(self.device)
-        return self._reserve + SMALL_BLOCKS
+        return self._reserve + ALLOCATOR_SLACK
 
     @property
     def h2d_bandwidth(self) -> float:

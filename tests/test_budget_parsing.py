@@ -166,3 +166,21 @@ def test_the_planners_smallest_budget_is_the_builders_floor_with_every_weight_on
 def test_a_zero_byte_value_takes_one_alignment_unit_everywhere():
     assert aligned(0, 256) == aligned(1, 256) == aligned(256, 256) == 256
     assert aligned(257, 256) == 512 and aligned(0, 1) == 1
+
+
+@pytest.mark.parametrize("largest", [0, 1, 486_309_376, (7 << 20) + 5])
+@pytest.mark.parametrize("library", [0, 34_603_008, (1 << 20) + 3])
+def test_what_the_allocator_reserves_beside_the_arena_fits_the_step_workspace(largest, library):
+    """On CUDA the lane pool's first block (the largest op workspace and the library workspaces) is
+    reserved rounded up to 2 MiB, and the lane's and the caller's pools each add a 2 MiB small segment:
+    all of it within the step workspace the budget sets aside (runtime_reserve = the measured library
+    workspace + ALLOCATOR_SLACK), so the reserved peak stays within the budget."""
+    from turnip.ir.sizes import ALLOCATOR_SLACK, lane_block
+
+    segment = 2 << 20
+    step_workspace = largest + library + ALLOCATOR_SLACK
+    block = lane_block(largest, step_workspace)
+    assert block == largest + library
+    reserved_beside_arena = -(-block // segment) * segment + 2 * segment
+    assert reserved_beside_arena <= step_workspace
+    assert lane_block(largest, largest) == largest  # no measured reserve (off CUDA): the op workspace alone

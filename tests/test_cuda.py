@@ -200,7 +200,7 @@ def test_a_lane_whose_capture_failed_launches_and_captures_again():
     from turnip.engine.lane_pools import LanePools
     from turnip.kernels.capture import captured
 
-    pools = LanePools(largest_workspace=0)
+    pools = LanePools(block=0)
     stream = torch.cuda.Stream()
     pools.add("lane", stream, prewarm=False)
     x = torch.ones(1024, device="cuda")
@@ -334,7 +334,7 @@ import gc
 import torch
 from turnip.engine.lane_pools import LanePools
 from turnip.kernels.capture import captured
-pools = LanePools(largest_workspace=0)
+pools = LanePools(block=0)
 stream = torch.cuda.Stream()
 pools.add("lane", stream, prewarm=False)
 x = torch.ones(1024, device="cuda")
