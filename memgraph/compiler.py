@@ -176,9 +176,11 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
     "replicas" (a copy of every weight on every device, refreshed after its update), "casts" (a
     weight read only through its autocast cast lives on its owner; the cast travels), or "auto"
     (default): replicas where the step fits its budget whole, and below that both layouts planned
-    and built, the simulator keeping the faster (fastest_layout; planning takes about twice as
-    long). mg.stats["weight_layouts_simulated_s"] gives both layouts' simulated steps. A step
-    without autocast casts of trained weights has replicas only.
+    and built, the simulator keeping the faster (fastest_layout): the casts first, then the
+    replicas from greedy plans, planned in full only where those come within PLANNER_GAIN_AT_MOST
+    of the casts. mg.stats["weight_layouts_simulated_s"] gives the simulated steps of the layouts
+    planned, ["weight_layouts_screened_s"] the greedy ones of a layout left there. A step without
+    autocast casts of trained weights has replicas only.
     planner_options: passed to turnip.planners.plan (see its docstring): time_limit (seconds
     the ILP solver may run; default None, scaled to the problem: planners/driver.py's
     ilp_time_limit, 0.25 ms per binary variable, 15 ms with op costs measured on the GPU, within
@@ -283,7 +285,10 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                                 options={**planner_options, **host_update_facts(host_update, costs)},
                                 alignment=alignment, costs=costs)
 
-            for layout in layouts:
+            screening = len(layouts) > 1 and ranks is None and planner in ("auto", "ilp")
+            if screening:  # below the peak the casts win most often: planned first, in full (fastest_layout)
+                layouts.sort(key=lambda layout: not layout.casts_travel)
+            for index, layout in enumerate(layouts):
                 if len(layouts) > 1:
                     progress.describe("planning", f"{layout.name}: {_planning_detail(planner, planner_options)}")
                 if layout.peak <= gpu_budget:
@@ -293,6 +298,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                     layout.hit = store.load(layout.key, layout.tg, gpu_budget, cpu_bytes)
                 if layout.hit is not None:
                     progress.describe("planning", "cached plan")
+                elif screening and index > 0:
+                    layout.deferred = True  # planned in full only if its greedy plans come near (fastest_layout)
                 else:
                     if len(layouts) == 1:
                         progress.describe("planning", _planning_detail(planner, planner_options))
@@ -310,16 +317,42 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                                    "vertices": len(layout.tg.vertices)})
             return mg
 
-        def built_layout(layout: Layout) -> MemGraph:
-            """The MemGraph of one layout's plans (or its cached plan, or everything kept)."""
+        def built_of(layout: Layout, candidates: list[Plan], method: str) -> MemGraph:
+            """The MemGraph of a layout's candidate plans, planned again by ``method`` for less where
+            a device's share does not fit (built_on_every_device)."""
             tg = layout.tg
 
-            def built(candidates: list[Plan]) -> tuple[MemGraph, InfeasibleBudget | None]:
-                mg, walk, short = build_candidates(tg, candidates, alignment, costs, device.type,
+            def built(plans: list[Plan]) -> tuple[MemGraph, InfeasibleBudget | None]:
+                mg, walk, short = build_candidates(tg, plans, alignment, costs, device.type,
                                                    compact_walks(gpu_budget, layout.peak), layout.ahead)
                 mg.stats["build_walk"] = walk
                 return mg, short
 
+            def replanned(scale: float) -> list[Plan]:
+                progress.describe("building", "planning again for less: a device's share did not fit")
+                return plan_step(tg, gpu_budget, cpu_bytes, method, device, costs, alignment, progress,
+                                 planner_options, host_update, scale=scale)
+
+            faster = functools.partial(faster_simulated, costs=costs, backend=device.type)
+            return built_on_every_device(candidates, built, replanned, gpu_budget, tg.devices, faster)
+
+        def screened_layout(layout: Layout) -> MemGraph:
+            """A deferred layout's greedy plans built: what fastest_layout weighs it by first. Cached
+            under the layout's key (a full plan replaces it if the layout is planned further), so a
+            compile that finds it decides alike without planning the layout again."""
+            progress.describe("building", f"{layout.name}: greedy plans first")
+            return stored(built_of(layout, plan_step(layout.tg, gpu_budget, cpu_bytes, "greedy", device, costs,
+                                                     alignment, progress, planner_options, host_update), "greedy"),
+                          layout, cpu_bytes)
+
+        def built_layout(layout: Layout) -> MemGraph:
+            """The MemGraph of one layout's plans (or its cached plan, or everything kept)."""
+            tg = layout.tg
+            if layout.deferred:
+                progress.describe("building", f"{layout.name}: {_planning_detail(planner, planner_options)}")
+                layout.candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
+                                              planner_options, host_update)
+                layout.deferred = False
             mg = build_cached(tg, layout.hit, alignment) if layout.hit is not None else None
             if layout.hit is not None and mg is None:  # the cached plan did not build: plan afresh, overwrite it
                 layout.candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
@@ -333,17 +366,11 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                              "below the unplanned peak)", host_update)
                 return keep_everything(tg, layout.keep_all, gpu_budget, cpu_bytes, alignment, costs, device.type)
 
-            def replanned(scale: float) -> list[Plan]:
-                progress.describe("building", "planning again for less: a device's share did not fit")
-                return plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
-                                 planner_options, host_update, scale=scale)
-
-            faster = functools.partial(faster_simulated, costs=costs, backend=device.type)
-            return stored(built_on_every_device(layout.candidates, built, replanned, gpu_budget, tg.devices, faster),
-                          layout, cpu_bytes)
+            return stored(built_of(layout, layout.candidates, planner), layout, cpu_bytes)
 
         with progress.phase("building"):
-            layout, mg = fastest_layout(layouts, built_layout, costs, device.type, ranks, device)
+            layout, mg = fastest_layout(layouts, built_layout, costs, device.type, ranks, device,
+                                        screened_layout if screening else None)
             tg, peak = layout.tg, layout.peak
             # pinned memory is page-locked: a plan that pins more than the host has is planned again
             # within it (or refused) here, not found out when the engine pins it
@@ -582,6 +609,7 @@ class Layout:
     key: str | None = None
     hit: object | None = None
     candidates: list[Plan] | None = None
+    deferred: bool = False  # planned only when built: after the layouts before it, if its greedy plans come near
     # id of a candidate plan -> its allocate-ahead walk, built while the other planning problem solved
     ahead: dict[int, tuple[object, MemGraph]] = dataclasses.field(default_factory=dict)
 
@@ -609,19 +637,43 @@ class Layout:
         return "casts" if self.casts_travel else "replicas"
 
 
-def fastest_layout(layouts: list[Layout], built_layout, costs, backend: str, ranks=None, device=None
-                   ) -> tuple[Layout, MemGraph]:
+# The planner's plans beat greedy's by at most this in the simulator on the steps measured: gpt1.3b on
+# two H200s, casts at 25% 11% (235.6 against 265.2 ms) and 4%, replicas at 50% 8% and at 25% 0.2%
+# (bench/results/h200x2/s17/call1, call2). A layout whose greedy plans simulate slower than the
+# fastest layout built so far by more is not planned further: on those H200s at 25% and 20% the
+# replicas lost by 40% and took 36 of the compile's 65 s.
+PLANNER_GAIN_AT_MOST = 0.15
+
+
+def fastest_layout(layouts: list[Layout], built_layout, costs, backend: str, ranks=None, device=None,
+                   screened_layout=None) -> tuple[Layout, MemGraph]:
     """The layout whose MemGraph (``built_layout(layout)``) the simulator runs faster, and that
     MemGraph; over several ranks, the layout whose slowest rank is fastest, so every rank takes the
     same. Neither layout wins everywhere: gpt1.3b on two H200s (op costs measured there, simulated)
     ran 179.6 ms with the casts travelling against 199.1 with replicas at 50% of eager's peak, and
     the 4-GPU H100 host measured the replicas faster at 69% of the unplanned peak (252.6 against
     300.9 ms, bench/results/2026-11-28_h100x4_casts-travel.md). A layout none of whose plans fits
-    a device gives way to the others; where every one fails, the first one's refusal is raised."""
+    a device gives way to the others; where every one fails, the first one's refusal is raised.
+
+    screened_layout: given, a layout marked ``deferred`` is first built from its greedy plans
+    (``screened_layout(layout)``) and planned in full (``built_layout``) only if that simulates
+    within PLANNER_GAIN_AT_MOST of the fastest layout built before it; mg.stats
+    ["weight_layouts_screened_s"] gives the greedy times of the layouts left there."""
     if len(layouts) == 1:
         return layouts[0], built_layout(layouts[0])
-    built, refusals = [], []
+    built, refusals, screened = [], [], {}
     for layout in layouts:
+        if screened_layout is not None and layout.deferred and built:
+            fastest = min(simulated_step(mg, costs, backend) for _, mg in built)
+            try:
+                rough = simulated_step(screened_layout(layout), costs, backend)
+            except InfeasibleBudget:  # the greedy plans do not build: the planner's may
+                rough = None
+            if rough is not None and rough > fastest * (1 + PLANNER_GAIN_AT_MOST):
+                log.info("the %s layout's greedy plans simulate %.1f ms against %.1f: not planned further",
+                         layout.name, rough * 1e3, fastest * 1e3)
+                screened[layout.name] = rough
+                continue
         try:
             built.append((layout, built_layout(layout)))
         except InfeasibleBudget as exc:
@@ -635,6 +687,8 @@ def fastest_layout(layouts: list[Layout], built_layout, costs, backend: str, ran
         raise refusals[0]
     layout, mg = min(built, key=lambda pair: times[pair[0].name])
     mg.stats["weight_layouts_simulated_s"] = times
+    if screened:
+        mg.stats["weight_layouts_screened_s"] = screened
     log.info("weights: %s (simulated %s)", layout.name, ", ".join(f"{name} {t * 1e3:.1f} ms" for name, t in times.items()))
     return layout, mg
 

@@ -429,6 +429,38 @@ def test_fastest_layout_keeps_the_faster_and_lets_a_layout_that_does_not_fit_giv
         compiler.fastest_layout(layouts, none_fit, None, "cpu")
 
 
+def test_a_layout_whose_greedy_plans_lag_far_behind_is_not_planned_further():
+    """compiler.fastest_layout with screened_layout: a deferred layout is built from its greedy plans
+    first, and planned in full only if those simulate within PLANNER_GAIN_AT_MOST of the fastest
+    layout built before it; one whose greedy plans do not build is planned in full."""
+    from types import SimpleNamespace
+
+    casts = compiler.Layout(None, None, 0, casts_travel=True)
+    replicas = compiler.Layout(None, None, 0, casts_travel=False, deferred=True)
+    full = {"casts": 0.100, "replicas": 0.090}
+    greedy = {"replicas": 0.100 * (1 + compiler.PLANNER_GAIN_AT_MOST) + 0.001}
+    planned = []
+
+    def built(layout):
+        planned.append(layout.name)
+        return SimpleNamespace(stats={"simulated_step_s": full[layout.name]})
+
+    def screened(layout):
+        if greedy[layout.name] is None:
+            raise InfeasibleBudget("greedy short", minimum=10)
+        return SimpleNamespace(stats={"simulated_step_s": greedy[layout.name]})
+
+    layout, mg = compiler.fastest_layout([casts, replicas], built, None, "cpu", screened_layout=screened)
+    assert layout.name == "casts" and planned == ["casts"]
+    assert mg.stats["weight_layouts_simulated_s"] == {"casts": 0.100}
+    assert mg.stats["weight_layouts_screened_s"] == {"replicas": greedy["replicas"]}
+    for near in (0.100 * (1 + compiler.PLANNER_GAIN_AT_MOST) - 0.001, None):  # near enough, or greedy short
+        greedy["replicas"], planned[:] = near, []
+        layout, mg = compiler.fastest_layout([casts, replicas], built, None, "cpu", screened_layout=screened)
+        assert layout.name == "replicas" and planned == ["casts", "replicas"]
+        assert "weight_layouts_screened_s" not in mg.stats
+
+
 def test_a_traced_step_is_placed_in_either_layout_without_tracing_again(autocast_case):
     """TracedStep.finished places a copy: the replicated layout, then the travelling casts, then the
     replicated one again, the first and the last alike."""

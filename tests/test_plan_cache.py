@@ -326,3 +326,27 @@ def test_the_walks_built_while_planning_are_the_ones_built_after_it(traced):
                                                                            len(lt.mg.edges))
         assert compile_module.simulated_step(e.mg, costs, "cuda") == compile_module.simulated_step(lt.mg, costs, "cuda")
     assert compile_module.Layout(tg, keep_all, peak, casts_travel=False).built_ahead(64, costs, "cpu") is None
+
+
+def test_a_layout_left_at_its_greedy_plans_is_cached_and_decided_alike_without_planning(plans, monkeypatch):
+    """On two devices below the peak, a layout whose greedy plans lag (here: any lag, the margin made
+    negative) is left there, its greedy plan cached under its key: a second compile plans nothing,
+    finds both layouts, and keeps the same one."""
+    from cases import bf16_autocast
+
+    monkeypatch.setattr(compile_module, "PLANNER_GAIN_AT_MOST", -0.9)
+    model, loss_fn, batches = make_case("gpt")
+
+    def two_devices():
+        return memgraph.compile(model, bf16_autocast(loss_fn), batches[0], optimizer=torch.optim.AdamW(
+            model.parameters(), lr=1e-3), budget=0.45, device="cpu", devices=2, verbose=False)
+
+    first = two_devices()
+    screened = first.stats["weight_layouts_screened_s"]
+    assert set(screened) == {"replicas"} and set(first.stats["weight_layouts_simulated_s"]) == {"casts"}
+    assert first.stats["weight_layout"] == "casts" and len(entries(plans)) == 2
+    refuse_planning(monkeypatch)
+    second = two_devices()
+    assert second.stats["plan_cache"] == "hit" and second.stats["weight_layout"] == "casts"
+    times = second.stats["weight_layouts_simulated_s"]
+    assert times["replicas"] == pytest.approx(screened["replicas"]) and times["casts"] < times["replicas"]
