@@ -12,8 +12,11 @@ them came last for the unit that ended the gap:
 - ``waits for <kind>``: a predecessor on another stream (a reload, an offload whose freed bytes the
   unit writes, ...) ended last; its name and size are listed;
 - ``waits for <kind> on another device``: the loop launched the unit as soon as it heard that a
-  predecessor on another device had ended (within LOOP_SLACK_US): a copy between devices is launched
-  only once its writers have run, so the wait is for that device, not for the host;
+  predecessor on another device had ended (within LOOP_SLACK_US, and the unit started within that of
+  its launch: a copy between devices starts some 50-70 us after it): a copy between devices is
+  launched only once its writers have run, so the wait is for that device, not for the host;
+- ``loop heard late of another device``: the same, but the loop launched the unit more than
+  LOOP_SLACK_US after that predecessor ended (its completion heard late, or the loop busy);
 - ``host launch``: the host launched the unit after the stream had run dry (the loop was late);
 - ``unexplained``: none of them is within the slack of its start (device scheduling, timer noise).
 
@@ -76,12 +79,13 @@ def _why(e: dict, gap: float, prev_end: float, by_vertex: dict) -> dict:
         row["cause"] = f"waits for {last['cat']}"
         row["waited_for"] = {"unit": last["name"], "vertex": last["args"]["vertex"], "bytes": last["args"].get("bytes"),
                              "started_ms": round(last["ts"] / 1e3, 3), "took_us": round(last["dur"], 1)}
-    elif (last is not None and last["pid"] != e["pid"] and launched > prev_end and start - launched <= SLACK_US
-          and 0 <= launched - last_end <= LOOP_SLACK_US):
-        row["cause"] = f"waits for {last['cat']} on another device"
+    elif (last is not None and last["pid"] != e["pid"] and launched > prev_end and launched >= last_end
+          and start - launched <= LOOP_SLACK_US):
+        late = launched - last_end > LOOP_SLACK_US
+        row["cause"] = "loop heard late of another device" if late else f"waits for {last['cat']} on another device"
         row["waited_for"] = {"unit": last["name"], "vertex": last["args"]["vertex"], "bytes": last["args"].get("bytes"),
                              "started_ms": round(last["ts"] / 1e3, 3), "took_us": round(last["dur"], 1),
-                             "device": last["pid"]}
+                             "device": last["pid"], "heard_after_us": round(launched - last_end, 1)}
     elif launched > prev_end and start - launched <= SLACK_US:
         row["cause"] = "host launch"
     else:

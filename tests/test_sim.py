@@ -617,7 +617,8 @@ def test_trace_names_what_each_unit_waited_for(tmp_path):
 def test_trace_waits_charges_a_launch_on_another_devices_end_to_that_device():
     """Device 1 idles 4.9 ms before C: the loop launched C 50 us after A, C's predecessor on device 0,
     ended (a copy between devices is launched once its writer has run), so the gap is A's, not the
-    host's. D, launched late with no such predecessor, stays the host's."""
+    host's. D, launched late with no such predecessor, stays the host's; E, launched 2.96 ms after its
+    predecessor on device 0 ended, is the loop's late hearing."""
     from turnip.bench.trace_waits import explain_gaps
 
     def unit(vertex, pid, ts, dur, launched, after=()):
@@ -625,11 +626,14 @@ def test_trace_waits_charges_a_launch_on_another_devices_end_to_that_device():
                 "args": {"vertex": vertex, "launched": launched, "after": list(after)}}
 
     units = [unit(0, 0, 0, 5000, 0), unit(1, 1, 0, 100, 0), unit(2, 1, 5060, 100, 5050, after=[0]),
-             unit(3, 1, 8000, 100, 7990, after=[2])]
+             unit(3, 1, 8000, 100, 7990, after=[2]), unit(4, 0, 5000, 4000, 5000),
+             unit(5, 1, 12000, 100, 11960, after=[4])]
     gaps = {g["vertex"]: g for g in explain_gaps(units)}
     assert gaps[2]["cause"] == "waits for compute on another device" and gaps[2]["waited_for"]["device"] == 0
     assert gaps[2]["gap_us"] == pytest.approx(4960)
     assert gaps[3]["cause"] == "host launch"
+    # E launched 2.96 ms after its predecessor on device 0 ended: the loop heard of it late
+    assert gaps[5]["cause"] == "loop heard late of another device" and gaps[5]["waited_for"]["heard_after_us"] == 2960
 
 
 def test_a_copy_between_devices_waits_for_its_writer_off_its_stream():
