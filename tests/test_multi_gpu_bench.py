@@ -106,3 +106,19 @@ def test_rows_are_saved_as_they_are_measured_so_a_run_cut_short_keeps_them(tmp_p
                         "--warmup", "0", "--no-eager", "--no-plots", "--peers", "no-such-peer", "--out", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["system"], row["status"], row["budget"]) == ("turnip", "ok", 1.0)
+
+
+def test_loop_profile_names_where_the_loop_spends_its_time(tmp_path):
+    """python -m turnip.bench.loop_profile: the loop's own facts per step, unprofiled and profiled, and
+    the functions that took the host's time, the loop's among them."""
+    from turnip.bench import loop_profile
+
+    out = tmp_path / "loop.json"
+    assert loop_profile.main(["--tiny", "--device", "cpu", "--devices", "2", "--budget", "0.5", "--steps", "1",
+                              "--warmup", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    (plain,), (profiled,) = doc["unprofiled"], doc["profiled"]
+    assert doc["devices"] == 2 and plain["launches"] == profiled["launches"] > 0
+    assert 0 < plain["busy_s"] <= plain["step_s"] and doc["busy_us_per_launch"] == plain["busy_us_per_launch"]
+    assert any("loop.py" in row["function"] for row in doc["own_time"])
+    assert doc["total_time"][0]["total_s"] >= max(row["own_s"] for row in doc["own_time"])
