@@ -7,7 +7,9 @@ Every unit the CUDA runtime launches joins the FIFO of its lane (one CUDA stream
 finishes its work in order). ``LaneCompletions`` keeps the books both modes share: which units
 finished, which were already reported to the loop (launch-ahead reports a unit when it is enqueued,
 while its lane holds fewer than ``depth`` reported unfinished units), and the reports waiting for
-the loop. The modes differ only in how they see the head of a lane finish:
+the loop. Both look at the streams when no report waits, and every LOOK_WHILE_BUSY_S while reports
+wait (a busy loop always has some: launch-ahead reports units at enqueue), so a unit waiting for
+another's run is heard of within that. The modes differ only in how they see the head of a lane finish:
 
 - ``EventCompletions`` ("events"): the loop thread queries the event recorded after each lane's
   head unit, spinning between polls; no other thread runs Python.
@@ -47,6 +49,13 @@ log = logging.getLogger(__name__)
 COMPLETIONS = ("events", "callback")
 CUDA_COMPLETION = "events"  # the default until bench/engine_overhead.py has measured both on the GPU
 CALLBACK_QUIET_S = 1.0  # no callback for this long: check the streams for an error instead of waiting on
+# While reports are waiting (launch-ahead reports a unit at enqueue, so a busy loop always has some),
+# the streams are still looked at this often: a unit waiting for another's run (a copy between
+# devices waits for its writers) is launched only once the loop hears of it. Looked at only when no
+# report waited, gpt1.3b on two H200s at 25% heard of the writers of its copies between devices a
+# median 7.0 ms late, 70 launches after they ran: 60 ms of the GPUs' idle in a 299 ms step
+# (bench/results/2026-11-29_h200x2_rows-ablation-allocator.md).
+LOOK_WHILE_BUSY_S = 200e-6
 
 
 def completion_mode(device_type: str, completion: str | None) -> str:
@@ -207,10 +216,15 @@ class EventCompletions(LaneCompletions):
     def __init__(self, needs: list, watched: list, lanes: dict, events: list):
         super().__init__(needs, watched, lanes)
         self.events = events
+        self._looked = 0.0  # perf_counter of the last poll
 
     def get(self, timeout: float | None = None) -> Completion:
-        spins = 0
         ready = self.ready
+        if ready:
+            if time.perf_counter() - self._looked >= LOOK_WHILE_BUSY_S:
+                self.poll()
+            return ready.popleft()
+        spins = 0
         deadline = None if timeout is None else time.monotonic() + timeout
         while not ready:
             if not self.poll():
@@ -223,6 +237,7 @@ class EventCompletions(LaneCompletions):
 
     def poll(self) -> bool:
         """Retire finished units at the heads of the lanes; True if the loop has news."""
+        self._looked = time.perf_counter()
         before = len(self.ready)
         events = self.events
         for lane in self.lanes.values():
@@ -242,6 +257,7 @@ class CallbackCompletions(LaneCompletions):
         self._launch_host_func = launch_host_func
         self._fire = self.fired.put  # the host function: one C call, no CUDA, nothing else to keep alive
         self._quiet_since = time.monotonic()  # when a host function last fired (or the step began)
+        self._looked = 0.0  # perf_counter of the last look at fired while reports waited
 
     def begin_step(self, shared_workspace: bool) -> None:
         super().begin_step(shared_workspace)
@@ -264,6 +280,10 @@ class CallbackCompletions(LaneCompletions):
 
     def get(self, timeout: float | None = None) -> Completion:
         ready = self.ready
+        if ready:
+            if time.perf_counter() - self._looked >= LOOK_WHILE_BUSY_S:
+                self._retire_fired()
+            return ready.popleft()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not ready:
             now = time.monotonic()
@@ -282,6 +302,17 @@ class CallbackCompletions(LaneCompletions):
             self._quiet_since = time.monotonic()
             self.retire_through(unit)
         return ready.popleft()
+
+    def _retire_fired(self) -> None:
+        """Retire every unit whose host function has fired, without waiting for one."""
+        self._looked = time.perf_counter()
+        while True:
+            try:
+                unit = self.fired.get_nowait()
+            except queue.Empty:
+                return
+            self._quiet_since = time.monotonic()
+            self.retire_through(unit)
 
     def retire_through(self, unit: int) -> None:
         """``unit``'s host function ran, so its stream finished it and everything queued before it."""

@@ -264,3 +264,36 @@ def test_units_with_a_successor_on_another_stream_key_are_marked():
     for u, succs in enumerate(graph.succs):
         assert crossing[u] == any(graph.key_of[s] != graph.key_of[u] for s in succs)
     assert 0 < sum(crossing) < graph.n
+
+
+@pytest.mark.parametrize("mode", COMPLETIONS)
+def test_a_busy_loop_still_hears_of_finished_units_every_look_while_busy(mode, monkeypatch):
+    """Reports wait (units 0 and 2, reported at enqueue) while unit 1, on another lane and watched,
+    has run: a get() within LOOK_WHILE_BUSY_S of the last look gives the next report without looking;
+    the first one after it has also heard of unit 1 (its Ran queued behind the waiting reports)."""
+    from turnip.engine import completions as module
+    from turnip.engine.loop import Ran
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    events, host_functions = [FakeEvent() for _ in range(3)], []
+    lanes = {(0, 0): Lane(FakeStream(0), True, 2), (1, 0): Lane(FakeStream(1), True, 1)}
+    needs, watched = [0, 0, 0], [0, 1, 0]
+    if mode == "callback":
+        source = CallbackCompletions(needs, watched, lanes, lambda handle, fn, arg: host_functions.append((fn, arg)))
+    else:
+        source = EventCompletions(needs, watched, lanes, events)
+    source.begin_step(True)
+    source.enqueued(lanes[(1, 0)], 1)
+    assert source.get().vertex == 1  # reported at enqueue; the streams looked at, at 100.0
+    source.enqueued(lanes[(0, 0)], 0)
+    source.enqueued(lanes[(0, 0)], 2)
+    events[1].done = True  # unit 1 ran: its event fired, or its host function ran
+    for fn, unit in host_functions:
+        if unit == 1:
+            fn(unit)
+    assert source.get().vertex == 0 and not source.finished[1]
+    clock[0] += module.LOOK_WHILE_BUSY_S
+    assert source.get().vertex == 2 and source.finished[1]
+    ran = source.get()
+    assert type(ran) is Ran and ran.vertex == 1
