@@ -43,19 +43,13 @@ import torch
 
 from .errors import EngineError
 from .loop import Completion, Ran
+from .resources import LOOK_WHILE_BUSY_S
 
 log = logging.getLogger(__name__)
 
 COMPLETIONS = ("events", "callback")
 CUDA_COMPLETION = "events"  # the default until bench/engine_overhead.py has measured both on the GPU
 CALLBACK_QUIET_S = 1.0  # no callback for this long: check the streams for an error instead of waiting on
-# While reports are waiting (launch-ahead reports a unit at enqueue, so a busy loop always has some),
-# the streams are still looked at this often: a unit waiting for another's run (a copy between
-# devices waits for its writers) is launched only once the loop hears of it. Looked at only when no
-# report waited, gpt1.3b on two H200s at 25% heard of the writers of its copies between devices a
-# median 7.0 ms late, 70 launches after they ran: 60 ms of the GPUs' idle in a 299 ms step
-# (bench/results/2026-11-29_h200x2_rows-ablation-allocator.md).
-LOOK_WHILE_BUSY_S = 200e-6
 
 
 def completion_mode(device_type: str, completion: str | None) -> str:

@@ -52,6 +52,13 @@ DEFAULT_STREAMS = {
 # without waiting for the host to see that one end (engine.run's transfer_ahead).
 CUDA_LAUNCH_AHEAD = 16
 CUDA_TRANSFER_AHEAD = 4  # bench/results/h100/engine_variants_*.json: 0 -> 4 took gpt350m at 25% from 232 to 201 ms
+# While reports wait (launch-ahead reports a unit at enqueue, so a busy loop always has some), the
+# completion sources (engine/completions.py) still look at the streams this often, and the simulator
+# with them: a unit waiting for another's run (a copy between devices waits for its writers) is
+# launched only once the loop hears of it. Looked at only when no report waited, gpt1.3b on two H200s
+# at 25% heard of the writers of its copies between devices a median 7.0 ms late, 70 launches after
+# they ran: 60 ms of the GPUs' idle in a 299 ms step (bench/results/2026-11-29_h200x2_rows-ablation-allocator.md).
+LOOK_WHILE_BUSY_S = 200e-6
 
 
 def transfer_depth(device_type: str, transfer_ahead: int | None) -> int:

@@ -46,8 +46,8 @@ StreamPool / WorkspacePool decides every launch, exactly as
   ends (``launched_at`` + ``host_per_vertex``). The loop takes reports as
   ``engine.loop.drive`` does with engine/cuda.py's completions: one at a time
   when the host is free, queued early reports first, the device's news (finished
-  transfers, early reports freed by the depth) only when none is queued, all
-  that has come in at once. With launch-ahead the host runs ahead of the GPU
+  transfers, early reports freed by the depth) when none is queued or
+  ``LOOK_WHILE_BUSY_S`` after the last look, all that has come in at once. With launch-ahead the host runs ahead of the GPU
   while it launches faster than the GPU drains: N kernels shorter than the host
   cost take about N x ``host_per_vertex``, while long kernels hide it (only the
   first launch shows). ``res.host_busy`` is the host's launch time (vertices x
@@ -87,7 +87,15 @@ from .dispatch import per_vertex
 from .errors import StallError
 from .loop import Record, Scheduler, StaticGraph
 from .policy import Policy, make_policy
-from .resources import CUDA_LAUNCH_AHEAD, StreamPool, WorkspacePool, reported_ahead, stream_counts, transfer_depth
+from .resources import (
+    CUDA_LAUNCH_AHEAD,
+    LOOK_WHILE_BUSY_S,
+    StreamPool,
+    WorkspacePool,
+    reported_ahead,
+    stream_counts,
+    transfer_depth,
+)
 from .runtime import arena_devices, workspace_capacity
 from .timeline import write_timeline
 
@@ -351,6 +359,7 @@ class _Sim:
         # ~id (negative) says that unit, reported at enqueue, has run (engine.loop.Ran)
         self.completions: collections.deque[int] = collections.deque()
         self.unpolled: list[int] = []
+        self.looked = -math.inf  # when the loop last polled the device
         self.early = bytearray(g.n)  # reported before it ran
         self.finished = 0
         self.now = 0.0
@@ -396,16 +405,18 @@ class _Sim:
 
     def _drain(self) -> None:
         # As engine.loop.drive with engine/completions.py's EventCompletions: the loop takes one report whenever
-        # it is free (done launching), and polls the device only when no report is queued, taking all
-        # its news at once. So a run of early reports goes before a transfer that ended meanwhile, and
-        # news that come in while the host is launching waits for it. With no host time this is the
-        # order the reports were made in.
+        # it is free (done launching), and polls the device when no report is queued or LOOK_WHILE_BUSY_S
+        # after its last look, taking all its news at once, behind the reports queued. So a run of early
+        # reports goes before a transfer that ended meanwhile, and news that come in while the host is
+        # launching waits for it. With no host time this is the order the reports were made in.
         while self.host_free <= self.now:
-            if not self.completions:
-                if not self.unpolled:
+            if not self.completions or self.now - self.looked >= LOOK_WHILE_BUSY_S:
+                self.looked = self.now
+                if self.unpolled:
+                    self.completions.extend(self.unpolled)
+                    self.unpolled.clear()
+                elif not self.completions:
                     break
-                self.completions.extend(self.unpolled)
-                self.unpolled.clear()
             news = self.completions.popleft()
             if news < 0:
                 self._launch_all(self.s.ran(~news))

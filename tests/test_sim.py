@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 from turnip.engine import StallError
+from turnip.engine.resources import LOOK_WHILE_BUSY_S
 from turnip.engine.timing_sim import idle_by_wait, simulate, time_floor
 from turnip.ir.costs import FixedRates
 from turnip.ir.memgraph import Edge, Kind, MemGraph, Place, Stream
@@ -531,10 +532,12 @@ def test_traced_gpt_with_host_time(gpt_memgraph):
 
 def test_host_takes_queued_reports_before_polling_the_device():
     # engine.loop.drive with the CUDA completions: when free, the loop takes a queued (early) report;
-    # it polls the device only when none is queued, and then takes all it finds, in order.
+    # it polls the device when none is queued or LOOK_WHILE_BUSY_S after its last look, and then takes
+    # all it finds, in order, behind the reports queued.
     two = {"bandwidth": BW, "host_per_vertex": 1 * MS, "streams": {"compute": 2, "h2d": 2}}
-    # k0 -> k1 -> k2 report at launch; reload R ends at 1.001 ms, while the host launches k0. The queue of
-    # early reports (k0, then k1, then k2) runs dry only at 4 ms, so B, R's successor, is launched last
+    # k0 -> k1 -> k2 report at launch; reload R ends at 1.001 ms, while the host launches k0. Each launch
+    # takes 1 ms, so the loop looks at every report: at 2 ms it finds R behind k0's report, launches k1
+    # for k0, then B for R, then k2 for k1
     h = Hand()
     r = h.transfer(Kind.RELOAD, 0.001)
     k0 = h.compute(0.001)
@@ -542,8 +545,21 @@ def test_host_takes_queued_reports_before_polling_the_device():
     k2 = h.compute(0.001, after=[k1])
     b = h.compute(0.001, after=[r])
     res = simulate(h.done(), **two, transfer_ahead=0)
-    assert res.launch_order == [r, k0, k1, k2, b]
-    assert res.launched_at == pytest.approx([i * MS for i in range(5)])
+    assert res.launch_order == [r, k0, k1, b, k2]
+    assert [res.launched_at[v] for v in (r, k0, k1, b, k2)] == pytest.approx([i * MS for i in range(5)])
+    # 20 us a launch: a chain of long kernels keeps early reports queued. The loop looks at 40 us (its
+    # first report), finds nothing, and looks again only at 240 us: R, ended at 120 us, is heard then,
+    # and B launched at 260 us, not once the queue runs dry (600 us)
+    fast = {**two, "host_per_vertex": 0.02 * MS}
+    h = Hand()
+    r = h.transfer(Kind.RELOAD, 0.1)
+    chain = [h.compute(1.0)]
+    for _ in range(29):
+        chain.append(h.compute(1.0, after=[chain[-1]]))
+    b = h.compute(0.001, after=[r])
+    res = simulate(h.done(), **fast, transfer_ahead=0)
+    assert LOOK_WHILE_BUSY_S == pytest.approx(0.2 * MS)
+    assert res.launched_at[b] == pytest.approx(0.26 * MS)
     # reloads X and Y both end while the host launches; one poll at 3 ms finds both: X's successor BX,
     # then Y's successor BY, and only then CX, released by BX's report, which was queued behind Y
     h = Hand()
