@@ -45,7 +45,7 @@ def loop_rows(mg, batch, steps: int, device: str) -> list[dict]:
             torch.cuda.synchronize()
         loop = mg.runtime.last_loop_time
         rows.append({"step_s": time.perf_counter() - started, "launches": loop.launches, "busy_s": loop.busy_s,
-                     "waiting_s": loop.waiting_s, "busy_us_per_launch": loop.busy_s / max(1, loop.launches) * 1e6})
+                     "waiting_s": loop.waiting_s, "busy_us_per_launch": loop.busy_per_launch_s * 1e6})
     return rows
 
 

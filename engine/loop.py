@@ -417,7 +417,7 @@ class Ran(NamedTuple):
 class LoopTime:
     """Where the loop thread's time went in one step: ``waiting_s`` blocked for a report with
     nothing to launch (CUDA's event source spins polling there), the rest (``busy_s``) launching
-    units and keeping the books. busy_s / launches is the host cost per launch that the timing
+    units and keeping the books. ``busy_per_launch_s`` is the host cost per launch that the timing
     simulator charges as ``host_per_vertex`` (15 us, measured on an H100 with tiny kernels), here
     measured on a real step without a timeline's overhead."""
 
@@ -428,6 +428,10 @@ class LoopTime:
     @property
     def busy_s(self) -> float:
         return self.wall_s - self.waiting_s
+
+    @property
+    def busy_per_launch_s(self) -> float:
+        return self.busy_s / max(1, self.launches)
 
 
 class Record(NamedTuple):

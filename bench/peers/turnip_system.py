@@ -81,7 +81,7 @@ def loop_facts(loop_times: list) -> dict:
     (bench/results/2026-11-29_h200_same-call-rows.md)."""
     if not loop_times:
         return {}
-    return {"loop_busy_us_per_launch": statistics.median(t.busy_s / max(1, t.launches) for t in loop_times) * 1e6,
+    return {"loop_busy_us_per_launch": statistics.median(t.busy_per_launch_s for t in loop_times) * 1e6,
             "loop_busy_s": statistics.median(t.busy_s for t in loop_times),
             "loop_launches": loop_times[-1].launches}
 
