@@ -140,6 +140,7 @@ class LaneCompletions:
         self.reported = bytearray(n)
         self.ready: collections.deque[Completion] = collections.deque()
         self.shared_workspace = True
+        self._looked = 0.0  # perf_counter of the last look at the streams (look)
 
     def begin_step(self, shared_workspace: bool) -> None:
         """``shared_workspace``: one compute stream per device, so a unit's workspace may be handed
@@ -155,7 +156,21 @@ class LaneCompletions:
         self.ready.append(completion)
 
     def get(self, timeout: float | None = None) -> Completion:
-        """The next report; raises queue.Empty after ``timeout`` seconds without one (None: waits)."""
+        """The next report; raises queue.Empty after ``timeout`` seconds without one (None: waits).
+        While reports wait, the streams are still looked at every LOOK_WHILE_BUSY_S."""
+        ready = self.ready
+        if ready:
+            if time.perf_counter() - self._looked >= LOOK_WHILE_BUSY_S:
+                self.look()
+            return ready.popleft()
+        return self.wait(timeout)
+
+    def look(self) -> None:
+        """Retire the units the streams have finished, without waiting for one; note when (_looked)."""
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None) -> Completion:
+        """The next report when none waits: as ``get``."""
         raise NotImplementedError
 
     def enqueued(self, lane: Lane, unit: int) -> None:
@@ -210,14 +225,12 @@ class EventCompletions(LaneCompletions):
     def __init__(self, needs: list, watched: list, lanes: dict, events: list):
         super().__init__(needs, watched, lanes)
         self.events = events
-        self._looked = 0.0  # perf_counter of the last poll
 
-    def get(self, timeout: float | None = None) -> Completion:
+    def look(self) -> None:
+        self.poll()
+
+    def wait(self, timeout: float | None) -> Completion:
         ready = self.ready
-        if ready:
-            if time.perf_counter() - self._looked >= LOOK_WHILE_BUSY_S:
-                self.poll()
-            return ready.popleft()
         spins = 0
         deadline = None if timeout is None else time.monotonic() + timeout
         while not ready:
@@ -251,7 +264,6 @@ class CallbackCompletions(LaneCompletions):
         self._launch_host_func = launch_host_func
         self._fire = self.fired.put  # the host function: one C call, no CUDA, nothing else to keep alive
         self._quiet_since = time.monotonic()  # when a host function last fired (or the step began)
-        self._looked = 0.0  # perf_counter of the last look at fired while reports waited
 
     def begin_step(self, shared_workspace: bool) -> None:
         super().begin_step(shared_workspace)
@@ -272,12 +284,8 @@ class CallbackCompletions(LaneCompletions):
     def host_ran(self, unit: int) -> None:
         self._fire(unit)
 
-    def get(self, timeout: float | None = None) -> Completion:
+    def wait(self, timeout: float | None) -> Completion:
         ready = self.ready
-        if ready:
-            if time.perf_counter() - self._looked >= LOOK_WHILE_BUSY_S:
-                self._retire_fired()
-            return ready.popleft()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not ready:
             now = time.monotonic()
@@ -297,7 +305,7 @@ class CallbackCompletions(LaneCompletions):
             self.retire_through(unit)
         return ready.popleft()
 
-    def _retire_fired(self) -> None:
+    def look(self) -> None:
         """Retire every unit whose host function has fired, without waiting for one."""
         self._looked = time.perf_counter()
         while True:
