@@ -77,20 +77,23 @@ def _why(e: dict, gap: float, prev_end: float, by_vertex: dict) -> dict:
            "launched_after_stream_dry_us": round(launched - prev_end, 1) if launched > float("-inf") else None}
     if last is not None and last_end >= launched and start - last_end <= SLACK_US:
         row["cause"] = f"waits for {last['cat']}"
-        row["waited_for"] = {"unit": last["name"], "vertex": last["args"]["vertex"], "bytes": last["args"].get("bytes"),
-                             "started_ms": round(last["ts"] / 1e3, 3), "took_us": round(last["dur"], 1)}
+        row["waited_for"] = _unit_facts(last)
     elif (last is not None and last["pid"] != e["pid"] and launched > prev_end and launched >= last_end
           and start - launched <= LOOP_SLACK_US):
         late = launched - last_end > LOOP_SLACK_US
         row["cause"] = "loop heard late of another device" if late else f"waits for {last['cat']} on another device"
-        row["waited_for"] = {"unit": last["name"], "vertex": last["args"]["vertex"], "bytes": last["args"].get("bytes"),
-                             "started_ms": round(last["ts"] / 1e3, 3), "took_us": round(last["dur"], 1),
-                             "device": last["pid"], "heard_after_us": round(launched - last_end, 1)}
+        row["waited_for"] = {**_unit_facts(last), "device": last["pid"], "heard_after_us": round(launched - last_end, 1)}
     elif launched > prev_end and start - launched <= SLACK_US:
         row["cause"] = "host launch"
     else:
         row["cause"] = "unexplained"
     return row
+
+
+def _unit_facts(e: dict) -> dict:
+    """What a gap's row says of the unit it waited for."""
+    return {"unit": e["name"], "vertex": e["args"]["vertex"], "bytes": e["args"].get("bytes"),
+            "started_ms": round(e["ts"] / 1e3, 3), "took_us": round(e["dur"], 1)}
 
 
 def summarize(rows: list[dict]) -> dict:
