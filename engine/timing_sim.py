@@ -47,7 +47,8 @@ StreamPool / WorkspacePool decides every launch, exactly as
   ``engine.loop.drive`` does with engine/cuda.py's completions: one at a time
   when the host is free, queued early reports first, the device's news (finished
   transfers, early reports freed by the depth) when none is queued or
-  ``LOOK_WHILE_BUSY_S`` after the last look, all that has come in at once. With launch-ahead the host runs ahead of the GPU
+  ``LOOK_WHILE_BUSY_S`` after the last look, all that has come in at once.
+  With launch-ahead the host runs ahead of the GPU
   while it launches faster than the GPU drains: N kernels shorter than the host
   cost take about N x ``host_per_vertex``, while long kernels hide it (only the
   first launch shows). ``res.host_busy`` is the host's launch time (vertices x
