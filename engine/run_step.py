@@ -35,6 +35,7 @@ import torch
 from ..ir.batch import check_batch
 from ..ir.memgraph import MemGraph, Stream
 from ..ir.optimizer import mark_stepped
+from .collector import collector_paused
 from .completions import completion_mode
 from .errors import EngineError
 from .loop import Interrupts, LoopTime, Record, Scheduler, drive
@@ -108,7 +109,7 @@ def run(mg: MemGraph, batch, ordering: str | Policy = "nondeterministic", timeli
     counts = stream_counts(runtime.device_type, streams)
     copies_ahead = transfer_depth(runtime.device_type, transfer_ahead)
     mode = completion_mode(runtime.device_type, completion)
-    with runtime.lock:
+    with runtime.lock, collector_paused():
         settle(runtime)
         graph = runtime.graph
         pool = StreamPool([counts[stream] for stream, _ in graph.keys])

@@ -170,17 +170,22 @@ def test_a_zero_byte_value_takes_one_alignment_unit_everywhere():
 
 @pytest.mark.parametrize("largest", [0, 1, 486_309_376, (7 << 20) + 5])
 @pytest.mark.parametrize("library", [0, 34_603_008, (1 << 20) + 3])
-def test_what_the_allocator_reserves_beside_the_arena_fits_the_step_workspace(largest, library):
-    """On CUDA the lane pool's first block (the largest op workspace and the library workspaces) is
-    reserved rounded up to 2 MiB, and the lane's and the caller's pools each add a 2 MiB small segment:
-    all of it within the step workspace the budget sets aside (runtime_reserve = the measured library
-    workspace + ALLOCATOR_SLACK), so the reserved peak stays within the budget."""
-    from turnip.ir.sizes import ALLOCATOR_SLACK, lane_block
+@pytest.mark.parametrize("budget", [9_957_277_696, 7_965_822_156, 39_829_110_784 + 12_345])
+def test_what_the_allocator_reserves_beside_the_arena_fits_the_step_workspace(largest, library, budget):
+    """On CUDA the arena is one segment rounded up to 2 MiB; the lane pool's first block (the largest
+    op workspace and the library workspaces) is reserved rounded up to 2 MiB; the lane's and the
+    caller's pools each add a 2 MiB small segment, and the first GPU one more (two H200s at 25% and
+    20%): all of it within the budget, whose step workspace (runtime_reserve = the measured library
+    workspace + ALLOCATOR_SLACK) the arena leaves free."""
+    from turnip.ir.sizes import ALLOCATOR_SEGMENT, ALLOCATOR_SLACK, arena_capacity, lane_block
 
-    segment = 2 << 20
+    def rounded(n):
+        return -(-n // ALLOCATOR_SEGMENT) * ALLOCATOR_SEGMENT
+
     step_workspace = largest + library + ALLOCATOR_SLACK
     block = lane_block(largest, step_workspace)
     assert block == largest + library
-    reserved_beside_arena = -(-block // segment) * segment + 2 * segment
-    assert reserved_beside_arena <= step_workspace
+    arena = arena_capacity(budget, step_workspace, 256)
+    reserved = rounded(arena) + rounded(block) + 3 * ALLOCATOR_SEGMENT
+    assert reserved <= budget
     assert lane_block(largest, largest) == largest  # no measured reserve (off CUDA): the op workspace alone

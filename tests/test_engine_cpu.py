@@ -104,6 +104,46 @@ def test_the_loop_says_where_its_time_went():
     assert mg.runtime.last_loop_time is not spent  # each step its own
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_cyclic_collector_does_not_run_during_a_step(monkeypatch, enabled):
+    """With the collector's threshold at one allocation, a collection would start at the loop's first
+    report; none starts while the loop drives the step (engine/collector.py), and the collector is
+    left as the program had it."""
+    import gc
+
+    from turnip.engine import run_step
+
+    mg, batch, _ = wide_graph(chains=3, length=4)
+    engine.run(mg, batch(0))  # the runtime is built on the first step, outside the paused block
+    driving, during = [False], []
+    real_drive = run_step.drive
+
+    def drive(*args, **kwargs):
+        driving[0] = True
+        try:
+            return real_drive(*args, **kwargs)
+        finally:
+            driving[0] = False
+
+    def seen(phase, info):
+        if phase == "start" and driving[0]:
+            during.append(info["generation"])
+
+    monkeypatch.setattr(run_step, "drive", drive)
+    threshold, was = gc.get_threshold(), gc.isenabled()
+    gc.callbacks.append(seen)
+    try:
+        gc.set_threshold(1)
+        (gc.enable if enabled else gc.disable)()
+        engine.run(mg, batch(1))
+        assert gc.isenabled() is enabled
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*threshold)
+        (gc.enable if was else gc.disable)()
+    assert during == []
+
+
 def test_timeline_file_written_and_parses(tmp_path):
     mg, batch, _ = wide_graph(chains=3, length=3)
     path = tmp_path / "step.json"
