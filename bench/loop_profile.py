@@ -11,16 +11,13 @@ bench/results/loop_profile_<model>_x<N>.json. The point: on two H200s the loop s
 in one process and 85 in another on the same gpt1.3b step at 25%, launching copies between the
 devices 2-3 ms after their writers ran (bench/results/2026-11-29_h200x2_rows-ablation-allocator.md),
 and a trace shows when, not where. cProfile slows the loop itself; the facts of the profiled steps
-are given beside those of the same number of steps unprofiled. ``--singles-rounds N`` then times the
-step against the same MemGraph launching its single compute vertices plainly, N alternating rounds
-(memgraph/segments.py: since the eighteenth session they are segments of one, replayed as graphs).
+are given beside those of the same number of steps unprofiled.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import json
 import logging
 import pstats
@@ -62,35 +59,8 @@ def top_functions(stats: pstats.Stats, key: str, count: int) -> list[dict]:
     return rows[:count]
 
 
-def singles_against_plain(mg, batch, rounds: int, device: str) -> dict:
-    """The step with its single compute vertices replayed as one-vertex CUDA graphs (as compiled)
-    against the same MemGraph launching them plainly (only the segments of two or more vertices
-    graphed, as before the eighteenth session), alternating one step each for ``rounds`` rounds
-    after the plain one has caught up with the steps ``mg`` ran. The second MemGraph has a runtime
-    (arena, pinned storage) of its own and starts from the same initial state, so each round's two
-    losses must be bitwise equal (a graph replays the kernels its capture launched)."""
-    plain = dataclasses.replace(mg, segments=[seg for seg in mg.segments if len(seg) > 1])
-    plain.runtime = None
-    loop_rows(plain, batch, mg.runtime.step, device)
-    graphed_rows, plain_rows = [], []
-    for _ in range(rounds):
-        graphed_rows += loop_rows(mg, batch, 1, device)
-        plain_rows += loop_rows(plain, batch, 1, device)
-    plain.release(keep=False)
-
-    def median(rows, key):
-        return statistics.median(r[key] for r in rows)
-
-    return {"rounds": rounds, "singles": sum(len(seg) == 1 for seg in mg.segments),
-            "same_losses": all((g["step"], g["loss"]) == (p["step"], p["loss"]) for g, p in zip(graphed_rows, plain_rows)),
-            "graphed": graphed_rows, "plain": plain_rows,
-            "graphed_step_ms": median(graphed_rows, "step_s") * 1e3, "plain_step_ms": median(plain_rows, "step_s") * 1e3,
-            "graphed_busy_us_per_launch": median(graphed_rows, "busy_us_per_launch"),
-            "plain_busy_us_per_launch": median(plain_rows, "busy_us_per_launch")}
-
-
 def profile(model: str, devices: int, budget: float, device: str, steps: int, warmup: int, tiny: bool,
-            eager_peak: int | None, count: int, singles_rounds: int = 0) -> dict:
+            eager_peak: int | None, count: int) -> dict:
     workload = make_workload(model, tiny=tiny)
     arg = int(budget * eager_peak) if eager_peak and budget <= 1 else budget
     mg = memgraph.compile(workload.model, workload.loss_fn, workload.batch_on(device),
@@ -104,7 +74,6 @@ def profile(model: str, devices: int, budget: float, device: str, steps: int, wa
     profiled = loop_rows(mg, batch, steps, device)
     profiler.disable()
     stats = pstats.Stats(profiler)
-    singles = singles_against_plain(mg, batch, singles_rounds, device) if singles_rounds else None
     mg.release(keep=False)
 
     def median(rows, key):
@@ -116,8 +85,7 @@ def profile(model: str, devices: int, budget: float, device: str, steps: int, wa
             "busy_us_per_launch": median(plain, "busy_us_per_launch"),
             "profiled_busy_us_per_launch": median(profiled, "busy_us_per_launch"),
             "step_ms": median(plain, "step_s") * 1e3,
-            "own_time": top_functions(stats, "tottime", count), "total_time": top_functions(stats, "cumtime", count),
-            "singles_against_plain": singles}
+            "own_time": top_functions(stats, "tottime", count), "total_time": top_functions(stats, "cumtime", count)}
 
 
 def main(argv=None) -> int:
@@ -132,16 +100,13 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=30, help="functions listed by each measure")
-    parser.add_argument("--singles-rounds", type=int, default=0,
-                        help="then this many alternating rounds of the step as compiled against the same MemGraph "
-                             "launching its single compute vertices plainly (0: none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     budget = int(args.budget) if args.budget > 1 else args.budget
     doc = profile(args.model, args.devices, budget, args.device, args.steps, args.warmup, args.tiny,
-                  args.eager_peak, args.top, args.singles_rounds)
+                  args.eager_peak, args.top)
     name = f"loop_profile_{doc['model']}_x{args.devices}.json"
     out = Path(args.out) if args.out else result_path(name)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -149,13 +114,6 @@ def main(argv=None) -> int:
     log.info("loop: %.1f us per launch (%.1f profiled), %d launches, step %.1f ms; wrote %s",
              doc["busy_us_per_launch"], doc["profiled_busy_us_per_launch"], doc["unprofiled"][-1]["launches"],
              doc["step_ms"], out)
-    singles = doc["singles_against_plain"]
-    if singles:
-        log.info("%d single compute vertices as graphs: step %.1f ms, %.1f us per launch; launched plainly: %.1f ms, "
-                 "%.1f us per launch (medians of %d alternating rounds); the losses %s", singles["singles"],
-                 singles["graphed_step_ms"], singles["graphed_busy_us_per_launch"], singles["plain_step_ms"],
-                 singles["plain_busy_us_per_launch"], singles["rounds"],
-                 "bitwise equal" if singles["same_losses"] else "DIFFER")
     for row in doc["own_time"][:15]:
         log.info("  %8.2f ms own  %8.2f ms in all  %7d calls  %s", row["own_s"] * 1e3, row["total_s"] * 1e3,
                  row["calls"], row["function"])

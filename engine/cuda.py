@@ -103,7 +103,7 @@ class CudaRuntime(Runtime):
         self.outputs: dict[str, torch.Tensor] = {}
         self.host_out: dict[int, torch.Tensor] = {}
         self.lane_pools = LanePools(lane_block(mg.taskgraph.largest_workspace(), mg.taskgraph.step_workspace()))
-        self.segment_graphs = SegmentGraphs(mg, self.graph.units[:self.graph.segment_count], self.lane_pools)
+        self.segment_graphs = SegmentGraphs(mg, self.graph.units, self.lane_pools)
         self.shared_workspace = True  # set per step: False when a device has several compute streams
         self._ctx = None
         self._leaves = None
@@ -334,7 +334,7 @@ class CudaRuntime(Runtime):
         if timers is not None:
             self.launched[head] = time.perf_counter()
             timers[head][0].record(stream)
-        if unit < self.graph.segment_count:
+        if len(self.graph.units[unit]) > 1:
             self.segment_graphs.run(unit, (item.key, item.instance), self._ctx.scalars,
                                     lambda: self.execute_unit(self.mg, unit))
         elif lane.compute:

@@ -39,19 +39,19 @@ RECAPTURES_BEFORE_PLAIN = 2
 
 
 class SegmentGraphs:
-    """The captured graph of each segment of the loop (its first units), with what it baked in."""
+    """The captured graph of each multi-vertex unit of the loop, with what it baked in."""
 
-    def __init__(self, mg: MemGraph, segments: list[tuple[int, ...]], pools: LanePools):
-        """segments: the loop's units that are segments (StaticGraph: the first segment_count units)."""
+    def __init__(self, mg: MemGraph, units: list[tuple[int, ...]], pools: LanePools):
         self.lane_pools = pools
         tasks = mg.taskgraph.vertices
         self.scalars: dict[int, tuple[str, ...]] = {}
-        for u, unit in enumerate(segments):
-            names = set()
-            for vid in unit:
-                tv = tasks[mg.vertices[vid].task_vertex]
-                names |= scalar_names(tv.args) | scalar_names(tv.kwargs)
-            self.scalars[u] = tuple(sorted(names))
+        for u, unit in enumerate(units):
+            if len(unit) > 1:
+                names = set()
+                for vid in unit:
+                    tv = tasks[mg.vertices[vid].task_vertex]
+                    names |= scalar_names(tv.args) | scalar_names(tv.kwargs)
+                self.scalars[u] = tuple(sorted(names))
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # (unit, lane) -> graph, scalars
         self.runs: dict[tuple, int] = {}
         self.uncapturable: set[int] = set()

@@ -102,7 +102,6 @@ class StaticGraph:
             units = [(vid,) for vid in range(nv)]
             unit_of = list(range(nv))
         self.units = units
-        self.segment_count = len(mg.segments)  # units 0..segment_count-1 are segments (a CUDA graph each)
         self.unit_of = unit_of
         self.head = [u[0] for u in units]  # the vertex that names a unit in records and traces
         n = len(units)

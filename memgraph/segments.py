@@ -32,12 +32,7 @@ that waits for a reload is never held back by one it does not need.
 
 Random vertices stay alone (their generator state is set per launch, which a capture would freeze),
 and so do kernels that read a device tensor on the host (kernels/ops.py reads_on_host), which no
-capture can hold. Any other compute vertex the rules leave by itself (a weight's cast between its
-reload and its copy to another device, an update between two transfers) is a segment of one: its
-graph's replay is one host call, where a plain launch goes through the generator's replay, the lane
-pool's context and the dispatcher. On two H200s at 25% of gpt1.3b's memory per GPU, 1,076 compute
-vertices a step ran alone as plain launches and the loop was busy 46-78 us per launch
-(bench/results/h200x2/s18/).
+capture can hold.
 """
 
 from __future__ import annotations
@@ -58,10 +53,10 @@ SEND_DELAY_VERTICES = 32
 BETWEEN_DEVICES = (Stream.D2D, Stream.COMM)
 
 
-def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 1) -> list[list[int]]:
+def find_segments(mg: MemGraph, max_size: int | None = None, min_size: int = 2) -> list[list[int]]:
     """The segments of ``mg`` (vertex ids, each list in serial order). ``max_size`` bounds a
-    segment's length (None: unbounded; 1: no segments, every vertex launched plainly); runs shorter
-    than ``min_size`` are left as plain launches."""
+    segment's length (None: unbounded; 1: no segments); runs shorter than ``min_size`` are left
+    as single vertices."""
     if max_size is not None and max_size < 1:
         raise ValueError(f"segment size must be at least 1 (1 launches every vertex alone), got {max_size}")
     if max_size == 1:

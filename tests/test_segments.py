@@ -51,23 +51,6 @@ def test_segments_follow_the_rules(compiled):
         assert len(segments) > 1, "transfers cut the compute into several segments"
 
 
-def test_every_compute_vertex_but_random_and_host_reading_ones_is_in_a_segment(compiled):
-    """A compute vertex the rules leave by itself is a segment of one (a graph replay on CUDA, not a
-    plain launch); only random vertices and kernels that read a device tensor on the host launch
-    plainly. min_size=2 keeps the runs of two or more."""
-    mg = compiled[0]
-    segments = find_segments(mg)
-    member = {v for seg in segments for v in seg}
-    tasks = mg.taskgraph.vertices
-    plain = [mv.id for mv in mg.vertices if mv.kind is Kind.COMPUTE and mv.id not in member]
-    assert all(tasks[mg.vertices[v].task_vertex].random for v in plain), \
-        [tasks[mg.vertices[v].task_vertex].op for v in plain if not tasks[mg.vertices[v].task_vertex].random][:5]
-    singles = [seg for seg in segments if len(seg) == 1]
-    if mg.summary()["bytes_offloaded"]:
-        assert singles, "transfers leave some compute vertex between them by itself"
-    assert find_segments(mg, min_size=2) == [seg for seg in segments if len(seg) >= 2]
-
-
 def test_segment_size_bounds_and_one_means_none(compiled):
     mg = compiled[0]
     assert find_segments(mg, 1) == []
