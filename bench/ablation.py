@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import time
 from pathlib import Path
@@ -178,7 +179,7 @@ def device_ablation(model_name: str, budget: float, repeat: int, device: str, ti
     workload = make_workload(model_name, tiny=device == "cpu")
     options = {"planner": planner} | ({"devices": devices} if devices > 1 else {})
     part = run_budget(workload, device, budget, settings(list(ORDERINGS), [None]), repeat, options,
-                      time.monotonic() + time_limit)
+                      math.inf, rounds_limit_s=time_limit)
     rows = part["settings"]
     result = {"model": workload.name, "budget": budget, "devices": devices, "planner": planner,
               "compile_s": part["compile_s"],
@@ -207,7 +208,8 @@ def main(argv=None) -> int:
                         help="device part: a fraction of the unplanned peak, or bytes (an int: 9957277696 is 25%% "
                              "of gpt1.3b's one-GPU eager peak, the multi_gpu rows' budget)")
     parser.add_argument("--repeat", type=int, default=10, help="device part: rounds of both orderings")
-    parser.add_argument("--time-limit", type=float, default=400.0, help="device part: seconds of rounds")
+    parser.add_argument("--time-limit", type=float, default=400.0,
+                        help="device part: seconds of rounds, counted after the compile and the warm-up steps")
     parser.add_argument("--devices", type=int, default=1, help="device part: one MemGraph over this many devices")
     parser.add_argument("--planner", default="auto", help="device part: compile's planner (auto, ilp, greedy)")
     parser.add_argument("--out", default=None)
@@ -245,11 +247,15 @@ def main(argv=None) -> int:
         dpath = out / f"ablation_device_{dev['model']}{f'_x{args.devices}' if args.devices > 1 else ''}.json"
         dpath.write_text(json.dumps({"benchmark": "ablation_device", **run_metadata(), **dev}, indent=1,
                                     default=str))
+        print(f"wrote {dpath}")
+        if not dev["rounds"]:
+            print(f"{dev['model']} on {args.device}: no round ran within --time-limit {args.time_limit:g} s "
+                  f"(the compile took {dev['compile_s']:.1f} s); give the rounds more time")
+            return 1
         for o in ORDERINGS:
             d = dev[o]
             print(f"{dev['model']} on {args.device} {o:<17} median {d['median_s'] * 1e3:.2f} ms "
                   f"[{d['min_s'] * 1e3:.2f}, {d['max_s'] * 1e3:.2f}]  simulated {d['sim_step_s'] * 1e3:.2f} ms")
-        print(f"wrote {dpath}")
     print(f"wrote {path}")
     return 0
 

@@ -60,7 +60,10 @@ def label(setting: dict) -> str:
 
 
 def run_budget(workload, device: str, budget: float, variants: list[dict], rounds: int, options: dict,
-               deadline: float) -> dict:
+               deadline: float, rounds_limit_s: float | None = None) -> dict:
+    """Compile ``workload`` at ``budget``, warm up, then up to ``rounds`` rounds of every variant, none
+    begun past ``deadline`` (time.monotonic()) nor, given ``rounds_limit_s``, that many seconds after
+    the warm-up (a limit on the rounds alone, whatever the compile took)."""
     example = workload.batch_on(device)
     started = time.perf_counter()
     mg = memgraph.compile(workload.model, workload.loss_fn, example, optimizer=workload.optimizer(
@@ -71,6 +74,8 @@ def run_budget(workload, device: str, budget: float, variants: list[dict], round
     losses = {label(s): [] for s in variants}
     engine.run(mg, batch)  # warm-up: arena, pinned storage, segment capture
     engine.run(mg, batch)
+    if rounds_limit_s is not None:
+        deadline = min(deadline, time.monotonic() + rounds_limit_s)
     for r in range(rounds):
         if time.monotonic() > deadline:
             log.warning("time limit after %d rounds", r)

@@ -159,6 +159,37 @@ def test_ablation_synthetic_nondeterministic_wins():
     assert summary[("synthetic, transfer_ahead 4", 0.0)]["det_over_nondet_median"] < 1.01
 
 
+def test_ablation_device_part_limits_its_rounds_not_its_compile(tmp_path, monkeypatch, capsys):
+    """--time-limit counts the rounds alone: 4 x H200's compile took 54.7 s of a 60 s limit and no round
+    ran, then the report multiplied a missing median. Now a limit counts from after the warm-up; one
+    that leaves no round says so, and the run fails."""
+    import time as time_module
+
+    from turnip.bench import ablation, engine_variants
+
+    argv = ["--tiny", "--seeds", "1", "--jitters", "0", "--device", "cpu", "--model", "gpt350m", "--budget", "0.5",
+            "--repeat", "2", "--out", str(tmp_path)]
+    assert ablation.main(argv + ["--time-limit", "30"]) == 0
+    (written,) = tmp_path.glob("ablation_device_*.json")
+    doc = json.loads(written.read_text())
+    assert doc["rounds"] == 2
+    slow_compile = engine_variants.memgraph.compile
+
+    def compile_taking_a_minute(*args, **kwargs):
+        mg = slow_compile(*args, **kwargs)
+        clock[0] += 60.0  # the compile ran past the limit: rounds still get theirs
+        return mg
+
+    clock = [0.0]
+    monkeypatch.setattr(engine_variants.memgraph, "compile", compile_taking_a_minute)
+    monkeypatch.setattr(engine_variants.time, "monotonic", lambda: time_module.perf_counter() + clock[0])
+    assert ablation.main(argv + ["--time-limit", "30"]) == 0
+    assert json.loads(written.read_text())["rounds"] == 2
+    capsys.readouterr()
+    assert ablation.main(argv + ["--time-limit", "0"]) == 1
+    assert "no round ran within --time-limit 0 s" in capsys.readouterr().out
+
+
 def test_ablation_budget_is_a_fraction_or_bytes():
     """The device ablation's --budget: a fraction stays one, an int is bytes (the multi_gpu rows' budget,
     which memgraph.compile would refuse as a fraction above 1)."""
