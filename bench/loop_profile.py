@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .. import engine, memgraph
+from .host_probe import host_probe
 from .models.sizes import make_workload
 from .peers.common import is_cuda, trainable
 from .results import result_path, run_metadata
@@ -68,12 +69,14 @@ def profile(model: str, devices: int, budget: float, device: str, steps: int, wa
                           devices=devices, verbose=False)
     batch = [workload.batch_on("cpu") for _ in range(devices)] if devices > 1 else workload.batch_on(device)
     loop_rows(mg, batch, warmup, device)
+    host_before = host_probe()
     plain = loop_rows(mg, batch, steps, device)
     profiler = cProfile.Profile()
     profiler.enable()
     profiled = loop_rows(mg, batch, steps, device)
     profiler.disable()
     stats = pstats.Stats(profiler)
+    host_after = host_probe()
     mg.release(keep=False)
 
     def median(rows, key):
@@ -81,7 +84,7 @@ def profile(model: str, devices: int, budget: float, device: str, steps: int, wa
 
     return {"model": workload.name, "devices": devices, "budget": budget, "budget_bytes": mg.plan.gpu_budget,
             "vertices": len(mg.vertices), "segments": len(mg.segments),
-            "unprofiled": plain, "profiled": profiled,
+            "unprofiled": plain, "profiled": profiled, "host_before": host_before, "host_after": host_after,
             "busy_us_per_launch": median(plain, "busy_us_per_launch"),
             "profiled_busy_us_per_launch": median(profiled, "busy_us_per_launch"),
             "step_ms": median(plain, "step_s") * 1e3,

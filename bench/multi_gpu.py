@@ -41,6 +41,7 @@ from ..engine.timing_sim import simulate, transfer_bytes
 from ..ir.budget import format_bytes
 from ..ir.memgraph import Stream
 from ..planners.costs import CostModel
+from .host_probe import host_probe
 from .models.sizes import make_workload
 from .peers import distributed, eager
 from .peers.common import ERROR, OK, TIMEOUT, PeerResult, Workload, is_cuda, release_memory, trainable
@@ -106,7 +107,9 @@ def run_turnip(workload: Workload, device_type: str, devices: int, budget: float
                         compile_phase_s=mg.stats.get("compile_phase_seconds"))
     release_memory(device_type)
     reset_peaks(device_type, devices)
+    result.extra["host_before"] = host_probe()  # was the host slow, busy or clocked down (bench/host_probe.py)
     timed_turnip_steps(result, mg, batch, steps, device_type, warmup=warmup)
+    result.extra["host_after"] = host_probe()
     memory = device_memory(device_type, devices)
     result.extra["memory_per_device"] = memory
     result.extra["peak_reserved_per_device"] = [m["peak_reserved"] for m in memory] or [None] * devices

@@ -106,6 +106,8 @@ def test_rows_are_saved_as_they_are_measured_so_a_run_cut_short_keeps_them(tmp_p
                         "--warmup", "0", "--no-eager", "--no-plots", "--peers", "no-such-peer", "--out", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["system"], row["status"], row["budget"]) == ("turnip", "ok", 1.0)
+    for probe in (row["host_before"], row["host_after"]):  # how fast and busy the host was around the steps
+        assert probe["python_us"] > 0 and probe["loadavg_1m"] >= 0 and probe["cpus"] >= 1
 
 
 def test_loop_profile_names_where_the_loop_spends_its_time(tmp_path):
@@ -119,7 +121,24 @@ def test_loop_profile_names_where_the_loop_spends_its_time(tmp_path):
     doc = json.loads(out.read_text())
     (plain,), (profiled,) = doc["unprofiled"], doc["profiled"]
     assert (plain["step"], profiled["step"]) == (2, 3) and plain["loss"] > 0  # after one warmup step
+    assert doc["host_before"]["python_us"] > 0 and doc["host_after"]["python_us"] > 0
     assert doc["devices"] == 2 and plain["launches"] == profiled["launches"] > 0
     assert 0 < plain["busy_s"] <= plain["step_s"] and doc["busy_us_per_launch"] == plain["busy_us_per_launch"]
     assert any("loop.py" in row["function"] for row in doc["own_time"])
     assert doc["total_time"][0]["total_s"] >= max(row["own_s"] for row in doc["own_time"])
+
+
+def test_host_probe_times_a_fixed_workload_and_reads_the_hosts_load():
+    """bench/host_probe.py: a fixed workload's best time grows with the work; the load figures are the
+    host's (a row records them before and after its steps)."""
+    from turnip.bench import host_probe
+
+    probe = host_probe.host_probe()
+    assert probe["python_us"] > 0 and probe["cpus"] >= 1 and probe["loadavg_1m"] >= 0
+    assert probe["runnable"] is None or probe["runnable"] >= 1  # this thread runs
+    small = host_probe.python_us()
+    host_probe.WORKLOAD_ITEMS *= 8
+    try:
+        assert host_probe.python_us() > 2 * small
+    finally:
+        host_probe.WORKLOAD_ITEMS //= 8
