@@ -33,7 +33,9 @@ class LanePools:
 
     def __init__(self, block: int):
         self.block = block  # bytes each prewarmed pool is first given (ir.sizes.lane_block)
-        self.pools: dict[tuple, tuple[torch.cuda.MemPool, torch.device]] = {}
+        # (pool, device index): use_mem_pool turns a torch.device into its index in Python on every
+        # call (8 us a plain launch in a profile on two H200s), an int it takes as it is
+        self.pools: dict[tuple, tuple[torch.cuda.MemPool, int]] = {}
         self.retired: list[torch.cuda.MemPool] = []  # pools a failed capture left unusable (kept: see renew)
 
     def add(self, lane: tuple, stream: torch.cuda.Stream, prewarm: bool) -> None:
@@ -41,7 +43,7 @@ class LanePools:
         block (where the lane is its device's only compute lane: with several, each would hold one)."""
         with torch.cuda.device(stream.device):  # a MemPool exists on the device current when it is made
             pool = torch.cuda.MemPool()
-        self.pools[lane] = (pool, stream.device)
+        self.pools[lane] = (pool, stream.device.index)
         if prewarm and self.block > 0:
             with torch.cuda.use_mem_pool(pool, stream.device), torch.cuda.stream(stream):
                 block = torch.empty(self.block, dtype=torch.uint8, device=stream.device)
