@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from .. import engine, memgraph
+from .. import engine
 from .host_probe import host_probe
-from .models.sizes import make_workload
-from .peers.common import is_cuda, trainable
+from .one_memgraph import add_arguments, compile_from
+from .peers.common import is_cuda
 from .results import result_path, run_metadata
 
 log = logging.getLogger(__name__)
@@ -60,20 +60,15 @@ def top_functions(stats: pstats.Stats, key: str, count: int) -> list[dict]:
     return rows[:count]
 
 
-def profile(model: str, devices: int, budget: float, device: str, steps: int, warmup: int, tiny: bool,
-            eager_peak: int | None, count: int) -> dict:
-    workload = make_workload(model, tiny=tiny)
-    arg = int(budget * eager_peak) if eager_peak and budget <= 1 else budget
-    mg = memgraph.compile(workload.model, workload.loss_fn, workload.batch_on(device),
-                          optimizer=workload.optimizer(trainable(workload.model)), budget=arg, device=device,
-                          devices=devices, verbose=False)
-    batch = [workload.batch_on("cpu") for _ in range(devices)] if devices > 1 else workload.batch_on(device)
-    loop_rows(mg, batch, warmup, device)
+def profile(args: argparse.Namespace) -> dict:
+    compiled = compile_from(args)
+    mg, batch = compiled.mg, compiled.batch
+    loop_rows(mg, batch, args.warmup, args.device)
     host_before = host_probe()
-    plain = loop_rows(mg, batch, steps, device)
+    plain = loop_rows(mg, batch, args.steps, args.device)
     profiler = cProfile.Profile()
     profiler.enable()
-    profiled = loop_rows(mg, batch, steps, device)
+    profiled = loop_rows(mg, batch, args.steps, args.device)
     profiler.disable()
     stats = pstats.Stats(profiler)
     host_after = host_probe()
@@ -82,24 +77,19 @@ def profile(model: str, devices: int, budget: float, device: str, steps: int, wa
     def median(rows, key):
         return statistics.median(r[key] for r in rows)
 
-    return {"model": workload.name, "devices": devices, "budget": budget, "budget_bytes": mg.plan.gpu_budget,
+    return {"model": compiled.workload.name, "devices": args.devices, "budget": args.budget,
+            "budget_bytes": mg.plan.gpu_budget,
             "vertices": len(mg.vertices), "segments": len(mg.segments),
             "unprofiled": plain, "profiled": profiled, "host_before": host_before, "host_after": host_after,
             "busy_us_per_launch": median(plain, "busy_us_per_launch"),
             "profiled_busy_us_per_launch": median(profiled, "busy_us_per_launch"),
             "step_ms": median(plain, "step_s") * 1e3,
-            "own_time": top_functions(stats, "tottime", count), "total_time": top_functions(stats, "cumtime", count)}
+            "own_time": top_functions(stats, "tottime", args.top), "total_time": top_functions(stats, "cumtime", args.top)}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m turnip.bench.loop_profile", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt1.3b")
-    parser.add_argument("--tiny", action="store_true", help="the model's tiny configuration (CPU)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--budget", type=float, default=0.5,
-                        help="a fraction of --eager-peak (else of the unplanned peak), or bytes")
-    parser.add_argument("--eager-peak", type=int, default=None, help="bytes a fractional budget is of")
+    add_arguments(parser, budget=0.5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=30, help="functions listed by each measure")
@@ -107,9 +97,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    budget = int(args.budget) if args.budget > 1 else args.budget
-    doc = profile(args.model, args.devices, budget, args.device, args.steps, args.warmup, args.tiny,
-                  args.eager_peak, args.top)
+    doc = profile(args)
     name = f"loop_profile_{doc['model']}_x{args.devices}.json"
     out = Path(args.out) if args.out else result_path(name)
     out.parent.mkdir(parents=True, exist_ok=True)

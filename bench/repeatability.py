@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .. import engine, memgraph
-from .models.sizes import make_workload
-from .peers.common import is_cuda, trainable
+from .. import engine
+from .one_memgraph import add_arguments, compile_from
+from .peers.common import is_cuda
 from .results import result_path, run_metadata
 
 log = logging.getLogger(__name__)
@@ -76,13 +76,7 @@ def compared(runs: list[list[dict]]) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m turnip.bench.repeatability", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt1.3b")
-    parser.add_argument("--tiny", action="store_true", help="the model's tiny configuration (CPU)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--budget", type=float, default=1.0,
-                        help="a fraction of --eager-peak (else of the unplanned peak), or bytes")
-    parser.add_argument("--eager-peak", type=int, default=None, help="bytes a fractional budget is of")
+    add_arguments(parser, budget=1.0)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--out", default=None)
@@ -91,15 +85,9 @@ def main(argv=None) -> int:
         parser.error("--runs must be at least 2 and --steps at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    workload = make_workload(args.model, tiny=args.tiny)
-    budget = int(args.budget) if args.budget > 1 else args.budget
-    arg = int(budget * args.eager_peak) if args.eager_peak and budget <= 1 else budget
-    mg = memgraph.compile(workload.model, workload.loss_fn, workload.batch_on(args.device),
-                          optimizer=workload.optimizer(trainable(workload.model)), budget=arg, device=args.device,
-                          devices=args.devices, verbose=False)
-    batch = ([workload.batch_on("cpu") for _ in range(args.devices)] if args.devices > 1
-             else workload.batch_on(args.device))
-    rows = compared(runs_of(mg, batch, args.steps, args.runs, args.device))
+    compiled = compile_from(args)
+    mg, workload = compiled.mg, compiled.workload
+    rows = compared(runs_of(mg, compiled.batch, args.steps, args.runs, args.device))
     doc = {"benchmark": "repeatability", **run_metadata(), "model": workload.name, "devices": args.devices,
            "budget": args.budget, "budget_bytes": mg.plan.gpu_budget, "planner": mg.plan.planner, "steps": rows}
     out = Path(args.out) if args.out else result_path(f"repeatability_{workload.name}_x{args.devices}.json")
