@@ -23,7 +23,8 @@ from __future__ import annotations
 # an op's temporaries no longer fitted (bench/results/h200x2/s17/call3/reserved_100.json). With those
 # three, the same step at 25% and 20% per GPU still reserved up to 3.4 MiB over (bench/results/h200x2/s18/call1):
 # the arena is a segment of its own, rounded up to 2 MiB (up to 2 MiB more), and the first GPU held
-# one 2 MiB segment more than the second (which pool's is in bench/results/h200x2/s18/call2/reserved_25.json).
+# one 2 MiB segment more than the second: a small segment of the default pool on a second stream of it
+# (bench/results/h200x2/s18/call2/reserved_25.log). With five, every row was within its budget (call3).
 ALLOCATOR_SEGMENT = 2 << 20
 ALLOCATOR_SLACK = 5 * ALLOCATOR_SEGMENT
 
