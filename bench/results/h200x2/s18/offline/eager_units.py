@@ -1,14 +1,20 @@
 """Which compute vertices the engine launched alone (not in a segment) before singles became segments, by op
 (eighteenth session, CPU):  python bench/results/h200x2/s18/offline/eager_units.py STEP BUDGET  (min_size=2 there)"""
-import sys, collections, json, torch
+import collections
+import json
+import sys
 from pathlib import Path
-from turnip.ir.step_file import load_step
-from turnip.bench.replan import offline_costs, ALIGNMENT
-from turnip.memgraph.compiler import plan_step
-from turnip.memgraph.builder import build_walks
-from turnip.memgraph.progress import Phases
+
+import torch
+from turnip.bench.replan import ALIGNMENT, offline_costs
+from turnip.ir.errors import InfeasibleBudget
 from turnip.ir.memgraph import Kind
+from turnip.ir.step_file import load_step
+from turnip.memgraph.builder import build_walks
+from turnip.memgraph.compiler import plan_step
+from turnip.memgraph.progress import Phases
 from turnip.memgraph.segments import find_segments
+
 step = Path(sys.argv[1]); budget = int(float(sys.argv[2]) * 39829110784)
 tg = load_step(step); facts = json.loads(step.with_suffix(".json").read_text())
 costs = offline_costs(facts); costs.annotate(tg)
@@ -16,10 +22,10 @@ plans = plan_step(tg, budget, None, "auto", torch.device("cuda"), costs, ALIGNME
 for plan in plans:
     try:
         mg = build_walks(tg, plan, alignment=ALIGNMENT, walks=("ahead",))["ahead"]
-    except Exception as e:
+    except InfeasibleBudget as e:
         print(plan.planner, "does not build", type(e).__name__); continue
     in_seg = {v for s in find_segments(mg, min_size=2) for v in s}
-    alone = collections.Counter(); alone_t = collections.Counter(); kinds = collections.Counter()
+    alone = collections.Counter(); kinds = collections.Counter()
     for v in mg.vertices:
         kinds[v.kind.name] += 1
         if v.kind == Kind.COMPUTE and v.id not in in_seg:

@@ -2,10 +2,16 @@
 
     python bench/results/h200x2/s18/offline/gc_probe.py BUDGET PLANNER
 """
-import gc, sys, time, logging, torch
-from turnip import memgraph, engine
-from turnip.gpt import GPT, GPTConfig, example_batch
+import gc
+import sys
+import time
+
+import torch
 import torch.nn.functional as F
+
+from turnip import engine, memgraph
+from turnip.gpt import GPT, GPTConfig, example_batch
+
 cfg = GPTConfig(vocab=256, seq=64, d_model=64, n_layers=24, n_heads=4)
 torch.manual_seed(0)
 model = GPT(cfg)
