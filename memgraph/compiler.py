@@ -280,6 +280,11 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                              if weight_layout == "casts" else "both layouts of the weights planned, the simulator "
                              "picks (replicas on every device, or casts made on their owners and sent)")
 
+            def plans_by(tg: TaskGraph, method: str, **kwargs) -> list[Plan]:
+                """plan_step for this compile (its budgets, device, costs, options), by ``method``."""
+                return plan_step(tg, gpu_budget, cpu_bytes, method, device, costs, alignment, progress,
+                                 planner_options, host_update, **kwargs)
+
             def key_for(layout: Layout, cpu_bytes: int | None) -> str:
                 return plan_key(layout.tg, gpu_budget, cpu_bytes, device=str(device), planner=planner,
                                 options={**planner_options, **host_update_facts(host_update, costs)},
@@ -303,9 +308,8 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                 else:
                     if len(layouts) == 1:
                         progress.describe("planning", _planning_detail(planner, planner_options))
-                    layout.candidates = plan_step(layout.tg, gpu_budget, cpu_bytes, planner, device, costs, alignment,
-                                                  progress, planner_options, host_update,
-                                                  planned=layout.built_ahead(alignment, costs, device.type))
+                    layout.candidates = plans_by(layout.tg, planner,
+                                                 planned=layout.built_ahead(alignment, costs, device.type))
 
         def stored(mg: MemGraph, layout: Layout, cpu_bytes: int | None) -> MemGraph:
             if planner != "none":
@@ -330,8 +334,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
 
             def replanned(scale: float) -> list[Plan]:
                 progress.describe("building", "planning again for less: a device's share did not fit")
-                return plan_step(tg, gpu_budget, cpu_bytes, method, device, costs, alignment, progress,
-                                 planner_options, host_update, scale=scale)
+                return plans_by(tg, method, scale=scale)
 
             faster = functools.partial(faster_simulated, costs=costs, backend=device.type)
             return built_on_every_device(candidates, built, replanned, gpu_budget, tg.devices, faster)
@@ -341,22 +344,18 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
             under the layout's key (a full plan replaces it if the layout is planned further), so a
             compile that finds it decides alike without planning the layout again."""
             progress.describe("building", f"{layout.name}: greedy plans first")
-            return stored(built_of(layout, plan_step(layout.tg, gpu_budget, cpu_bytes, "greedy", device, costs,
-                                                     alignment, progress, planner_options, host_update), "greedy"),
-                          layout, cpu_bytes)
+            return stored(built_of(layout, plans_by(layout.tg, "greedy"), "greedy"), layout, cpu_bytes)
 
         def built_layout(layout: Layout) -> MemGraph:
             """The MemGraph of one layout's plans (or its cached plan, or everything kept)."""
             tg = layout.tg
             if layout.deferred:
                 progress.describe("building", f"{layout.name}: {_planning_detail(planner, planner_options)}")
-                layout.candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
-                                              planner_options, host_update)
+                layout.candidates = plans_by(tg, planner)
                 layout.deferred = False
             mg = build_cached(tg, layout.hit, alignment) if layout.hit is not None else None
             if layout.hit is not None and mg is None:  # the cached plan did not build: plan afresh, overwrite it
-                layout.candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment, progress,
-                                              planner_options, host_update)
+                layout.candidates = plans_by(tg, planner)
             if mg is not None:
                 mg.stats["plan_cache"] = "hit"
                 return mg
@@ -384,8 +383,7 @@ def compile(model: torch.nn.Module, loss_fn, example_batch, optimizer: torch.opt
                 layout.key = key_for(layout, cpu_bytes) if layout.key else None
                 layout.hit = None
                 try:
-                    layout.candidates = plan_step(tg, gpu_budget, cpu_bytes, planner, device, costs, alignment,
-                                                  progress, planner_options, host_update)
+                    layout.candidates = plans_by(tg, planner)
                     mg = built_layout(layout)
                 except InfeasibleBudget as exc:
                     raise InfeasibleBudget(f"{exc} ({describe_host()}; a larger GPU budget needs less of it)",
