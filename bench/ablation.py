@@ -37,6 +37,7 @@ from ..ir.taskgraph import TaskGraph
 from ..planners.costs import CostModel
 from .engine_variants import run_budget, settings
 from .models.sizes import make_workload
+from .options import budget_arg
 from .results import result_path, run_metadata
 
 log = logging.getLogger(__name__)
@@ -189,12 +190,6 @@ def device_ablation(model_name: str, budget: float, repeat: int, device: str, ti
         result[row["ordering"]] = {key: row[key] for key in ("step_s", "median_s", "min_s", "max_s", "losses",
                                                              "sim_step_s", "sim_compute_idle_s")}
     return result
-
-
-def budget_arg(text: str) -> float | int:
-    """--budget: a fraction (0.5) or bytes (an int), as memgraph.compile takes them."""
-    number = float(text)
-    return int(number) if number > 1 and number.is_integer() else number
 
 
 def main(argv=None) -> int:

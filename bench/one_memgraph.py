@@ -14,7 +14,9 @@ import torch
 
 from .. import memgraph
 from .models.sizes import make_workload
+from .options import budget_arg
 from .peers.common import Workload, trainable
+from .peers.turnip_system import budget_argument
 
 
 @dataclass
@@ -29,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser, budget: float) -> None:
     parser.add_argument("--tiny", action="store_true", help="the model's tiny configuration (CPU)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--budget", type=float, default=budget,
+    parser.add_argument("--budget", type=budget_arg, default=budget,
                         help="a fraction of --eager-peak (else of the unplanned peak), or bytes")
     parser.add_argument("--eager-peak", type=int, default=None, help="bytes a fractional budget is of")
 
@@ -38,10 +40,9 @@ def compile_from(args: argparse.Namespace) -> Compiled:
     """The workload of ``args`` compiled on ``args.devices`` devices within its budget: a fraction of
     ``--eager-peak`` where given, else of the unplanned peak, or bytes."""
     workload = make_workload(args.model, tiny=args.tiny)
-    budget = int(args.budget) if args.budget > 1 else args.budget
-    arg = int(budget * args.eager_peak) if args.eager_peak and budget <= 1 else budget
+    budget, _ = budget_argument(args.budget, args.eager_peak)
     mg = memgraph.compile(workload.model, workload.loss_fn, workload.batch_on(args.device),
-                          optimizer=workload.optimizer(trainable(workload.model)), budget=arg, device=args.device,
+                          optimizer=workload.optimizer(trainable(workload.model)), budget=budget, device=args.device,
                           devices=args.devices, verbose=False)
     batch = ([workload.batch_on("cpu") for _ in range(args.devices)] if args.devices > 1
              else workload.batch_on(args.device))

@@ -18,3 +18,9 @@ def planner_options(items: list[str]) -> dict:
         except ValueError:
             options[key] = value
     return options
+
+
+def budget_arg(text: str) -> float | int:
+    """``--budget``: a fraction (0.5) or bytes (an int), as memgraph.compile takes them."""
+    number = float(text)
+    return int(number) if number > 1 and number.is_integer() else number
