@@ -9,15 +9,9 @@
 set -x
 COMMIT=$1; BUDGETS=${2:-1.0,0.5,0.25,0.2,0.1}; PEERS=${3:-ddp,fsdp2,fsdp2-offload-ckpt}; ROWS_S=${4:-460}
 MODEL=${MODEL:-gpt1.3b}; EAGER_PEAK=${EAGER_PEAK:-39829110784}; PROFILE_BUDGET=${PROFILE_BUDGET:-0.25}
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TURNIP_COMMIT=$COMMIT
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation -e . > /dev/null 2>&1
+export TURNIP_COMMIT=$COMMIT
 DEVICES=${DEVICES:-$(nvidia-smi -L | wc -l)}
-if [ -f turnip_cache.tgz ]; then mkdir -p ~/.cache/turnip && tar -xzf turnip_cache.tgz -C ~/.cache/turnip; fi
-R=$OUT/r; mkdir -p $R
-nvidia-smi -L > $R/gpus.txt
-mkdir -p /tmp/run && cd /tmp/run  # not the repository: python -m puts the working directory first on sys.path
+source bench/device_setup.sh
 timeout $ROWS_S python3 -m turnip.bench multi_gpu --model $MODEL --devices $DEVICES --eager-peak $EAGER_PEAK \
   --budgets $BUDGETS --peers $PEERS --steps 5 --warmup 1 --isolate --row-limit 170 --peer-limit 90 --no-plots \
   --out $R/x$DEVICES.json > $R/x$DEVICES.log 2>&1
