@@ -8,6 +8,7 @@ import torch
 
 from ..ir.taskgraph import TaskGraph, TensorRef, Vertex
 from .launch import Resolve, run_vertex
+from .ops import draws
 from .rng import default_generator
 
 
@@ -26,7 +27,9 @@ class RngReplay:
         self.device = torch.device(device)
         # in eager's draw order: on several devices the program order interleaves them, eager's loop draws
         # device 0's micro-batch, then device 1's (trace/data_parallel.py keeps each one's order)
-        self.vertices = sorted((v for v in taskgraph.vertices if v.random and v.recompute_of < 0),
+        # only the vertices that draw: an attention op without dropout leaves the generator as it was, and a
+        # CUDA graph may hold it (memgraph/segments.py), where no state could be set per launch
+        self.vertices = sorted((v for v in taskgraph.vertices if draws(v) and v.recompute_of < 0),
                                key=lambda v: (v.device, v.id))
         self._scratch: dict[tuple, torch.Tensor] = {}
         self._advances: list[int] | None = None  # CUDA: offset advance of each random vertex
@@ -123,7 +126,8 @@ class StepContext:
     def rng_state(self, vertex: Vertex) -> torch.Tensor | None:
         if not vertex.random:
             return None
-        return self.rng_states[vertex.recompute_of if vertex.recompute_of >= 0 else vertex.id]
+        # absent: a vertex random by its schema that draws nothing (kernels/ops.py draws; RngReplay)
+        return self.rng_states.get(vertex.recompute_of if vertex.recompute_of >= 0 else vertex.id)
 
     def run(self, vertex: Vertex, resolve: Resolve, outputs: Sequence[torch.Tensor | None]) -> None:
         run_vertex(vertex, resolve, outputs, self.scalars, self.rng_state(vertex), self.device)

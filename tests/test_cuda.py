@@ -383,3 +383,24 @@ def test_a_timelines_device_times_follow_the_hosts_launches(tmp_path):
     assert units
     early = [(e["name"], e["ts"] - e["args"]["launched"]) for e in units if e["ts"] < e["args"]["launched"] - 50]
     assert early == []
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"])
+def test_attention_without_dropout_leaves_the_generator_where_it_was(backend):
+    """kernels/ops.py draws: an attention op at dropout_p 0 draws nothing, so segments may capture it in a
+    CUDA graph and RngReplay keeps no state for it. The same op with dropout moves the generator."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    moved = {}
+    for p in (0.0, 0.1):
+        before = gen.get_offset()
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p).sum().backward()
+        except RuntimeError as exc:  # a backend this GPU or build lacks
+            pytest.skip(f"{backend}: {exc}")
+        torch.cuda.synchronize()
+        moved[p] = gen.get_offset() - before
+    assert moved[0.0] == 0
+    assert moved[0.1] > 0

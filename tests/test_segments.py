@@ -13,6 +13,7 @@ import torch
 from cases import OPTIMIZERS, assert_same_state, eager_steps, make_case, trainable
 from turnip.engine.loop import StaticGraph
 from turnip.ir.memgraph import Kind
+from turnip.kernels.ops import draws
 from turnip.memgraph.segments import find_segments, segment_problems
 
 from turnip import engine, memgraph
@@ -196,3 +197,26 @@ def test_a_segment_whose_scalars_keep_changing_stops_being_captured(monkeypatch)
     replays.clear()
     step(0.125)
     assert replays == [1]  # unit 1 is still replayed, unit 0 is not
+
+
+def test_attention_without_dropout_joins_segments_and_dropout_stays_alone():
+    """An attention op is random by its schema (it may drop out) but draws nothing at dropout_p 0
+    (kernels/ops.py draws): it joins segments; a dropout, which draws, stays alone; and the step with
+    its random vertices so split is still eager's bit for bit."""
+    model, loss_fn, batches = make_case("gpt", dropout=0.1)
+    want_losses, want_state = eager_steps(model, loss_fn, batches, OPTIMIZERS["adamw"])
+    base = memgraph.compile(model, loss_fn, batches[0], optimizer=OPTIMIZERS["adamw"](trainable(model)),
+                            budget=None, device="cpu")
+    mg = with_segments(base)
+    members = {v for seg in mg.segments for v in seg}
+    tasks = mg.taskgraph.vertices
+    random = [mv.id for mv in mg.vertices if mv.kind is Kind.COMPUTE and tasks[mv.task_vertex].random]
+    attention = [v for v in random if "attention" in tasks[mg.vertices[v].task_vertex].op]
+    dropping = [v for v in random if draws(tasks[mg.vertices[v].task_vertex])]
+    assert attention and dropping and not set(attention) & set(dropping)
+    assert set(attention) & members, "attention ops without dropout join segments"
+    assert not set(dropping) & members, "a vertex that draws runs alone, from its own generator state"
+    torch.manual_seed(123)
+    losses = [engine.run(mg, b, ordering="random", seed=3)["loss"].item() for b in batches]
+    assert losses == [x.item() for x in want_losses]
+    assert_same_state(mg.state_dict(), want_state)
