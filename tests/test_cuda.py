@@ -164,9 +164,8 @@ def test_multi_tensor_update_matches_eager_fused_adamw():
 
 def test_cuda_graph_segments_equal_plain_launches_under_a_scheduler():
     """Segments replayed as CUDA graphs (attention ops among their kernels) give the per-vertex launches'
-    numbers bit for bit, also
-    when an LR scheduler changes a scalar a captured graph baked in (it is captured again, then,
-    changing step after step, launched plainly)."""
+    numbers bit for bit, also when an LR scheduler changes a scalar a captured graph baked in (it is
+    captured again, then, changing step after step, launched plainly)."""
     model, loss_fn, batches = make_case("gpt", dropout=0.0, device="cuda")
     mg = memgraph.compile(model, loss_fn, batches[0], optimizer=adamw(trainable(model)),
                           budget=budget_bytes(model, loss_fn, batches[0], 0.5), device="cuda")
