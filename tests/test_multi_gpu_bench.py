@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from turnip.bench.__main__ import main as bench_main
 
@@ -142,3 +143,21 @@ def test_host_probe_times_a_fixed_workload_and_reads_the_hosts_load():
         assert host_probe.python_us() > 2 * small
     finally:
         host_probe.WORKLOAD_ITEMS //= 8
+
+
+def test_host_probe_runs_the_workload_on_each_allowed_cpu_and_puts_the_affinity_back(tmp_path):
+    """`python -m turnip.bench.host_probe --by-cpu`: one row per CPU the process may use, each run pinned
+    there, the affinity as before afterwards; the host's CPU time so far, whose steal share two probes
+    give, only grows."""
+    from turnip.bench import host_probe
+
+    allowed = os.sched_getaffinity(0)
+    first = host_probe.host_probe()["jiffies"]
+    assert host_probe.main(["--by-cpu", "--out", str(tmp_path / "probe.json")]) == 0
+    doc = json.loads((tmp_path / "probe.json").read_text())
+    assert sorted(row["cpu"] for row in doc["by_cpu"]) == sorted(allowed)
+    assert all(row["python_us"] > 0 for row in doc["by_cpu"])
+    assert os.sched_getaffinity(0) == allowed
+    assert doc["probe"]["cpu_now"] in allowed
+    later = doc["probe"]["jiffies"]
+    assert all(later[k] >= first[k] for k in ("busy", "idle", "steal")) and later["busy"] + later["idle"] > 0
