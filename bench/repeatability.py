@@ -2,6 +2,7 @@
 
     python -m turnip.bench.repeatability --model gpt1.3b --devices 2 --budget 1.0 --eager-peak 39829110784
     python -m turnip.bench.repeatability --tiny --device cpu --devices 2 --budget 0.5     # CPU, seconds
+    python -m turnip.bench.repeatability --model gpt1.3b --eager      # eager PyTorch's own spread, one device
 
 Compiles the workload once, runs ``--steps`` steps, starts over from the compiled weights
 (``mg.release(keep=False)``) and runs them again, ``--runs`` times in all. After every step it keeps
@@ -11,7 +12,9 @@ where not, which weights differ (the first in the model's order, and how many). 
 every run must match (tests/test_repeatability_bench.py); on two H200s the second step's loss of
 gpt1.3b took six values over one session's runs where DDP's took two values 1e-6 apart
 (bench/results/2026-11-29_h200x2_reserved-within-budget-loop-variance.md): the first weights to differ
-after step 1 say which kernels to look at. Writes bench/results/repeatability_<model>_x<N>.json.
+after step 1 say which kernels to look at. ``--eager`` runs eager PyTorch the same way (a fresh copy of
+the model per run, the optimizer's fused kernel on CUDA, the kernel turnip runs there): the yardstick for
+turnip's spread. Writes bench/results/repeatability_<model>_x<N>.json (``_eager.json``).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from pathlib import Path
 import torch
 
 from .. import engine
+from .models.sizes import make_workload
 from .one_memgraph import add_arguments, compile_from
-from .peers.common import is_cuda
+from .peers.common import is_cuda, trainable
+from .peers.eager import training_step
 from .results import result_path, run_metadata
 
 log = logging.getLogger(__name__)
@@ -60,6 +65,28 @@ def runs_of(mg, batch, steps: int, runs: int, device: str) -> list[list[dict]]:
     return out
 
 
+def eager_runs(workload, device: str, steps: int, runs: int) -> list[list[dict]]:
+    """As runs_of, for eager PyTorch on one device: each run a fresh copy of the workload's model and
+    optimizer (its fused kernel on CUDA), the same batch every step."""
+    spec = workload.optimizer
+    options = {**spec.kwargs, "fused": True} if is_cuda(device) else spec.kwargs
+    out = []
+    for _ in range(runs):
+        model = workload.fresh_model(device)
+        optimizer = spec.cls(trainable(model), **options)
+        batch = workload.batch_on(device)
+        run = []
+        for step in range(1, steps + 1):
+            loss = float(training_step(model, workload.loss_fn, batch, optimizer).detach())
+            if is_cuda(device):
+                torch.cuda.synchronize()
+            run.append({"step": step, "loss": loss,
+                        "weights": {name: fingerprint(t) for name, t in model.state_dict().items()}})
+        out.append(run)
+        del model, optimizer
+    return out
+
+
 def compared(runs: list[list[dict]]) -> list[dict]:
     """Per step: whether every run matched the first (loss and weights, bitwise), the losses, and the
     weights that differ from the first run's in any run, in the first run's order."""
@@ -79,18 +106,30 @@ def main(argv=None) -> int:
     add_arguments(parser, budget=1.0)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--eager", action="store_true", help="eager PyTorch instead of turnip, on one device: "
+                        "its own run-to-run spread")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.runs < 2 or args.steps < 1:
         parser.error("--runs must be at least 2 and --steps at least 1")
+    if args.eager and args.devices != 1:
+        parser.error("--eager runs on one device (--devices 1)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    compiled = compile_from(args)
-    mg, workload = compiled.mg, compiled.workload
-    rows = compared(runs_of(mg, compiled.batch, args.steps, args.runs, args.device))
+    if args.eager:
+        workload = make_workload(args.model, tiny=args.tiny)
+        rows = compared(eager_runs(workload, args.device, args.steps, args.runs))
+        system = {"system": "eager", "budget": None, "budget_bytes": None, "planner": None}
+    else:
+        compiled = compile_from(args)
+        mg, workload = compiled.mg, compiled.workload
+        rows = compared(runs_of(mg, compiled.batch, args.steps, args.runs, args.device))
+        system = {"system": "turnip", "budget": args.budget, "budget_bytes": mg.plan.gpu_budget,
+                  "planner": mg.plan.planner}
     doc = {"benchmark": "repeatability", **run_metadata(), "model": workload.name, "devices": args.devices,
-           "budget": args.budget, "budget_bytes": mg.plan.gpu_budget, "planner": mg.plan.planner, "steps": rows}
-    out = Path(args.out) if args.out else result_path(f"repeatability_{workload.name}_x{args.devices}.json")
+           **system, "steps": rows}
+    suffix = "eager" if args.eager else f"x{args.devices}"
+    out = Path(args.out) if args.out else result_path(f"repeatability_{workload.name}_{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     for row in rows:

@@ -37,3 +37,18 @@ def test_a_weight_that_differs_is_named_and_one_flipped_bit_is_seen():
     first, second = compared([a, b])
     assert first["same"] and not second["same"]
     assert (second["weights_differ"], second["first_differ"]) == (1, ["w0"])
+
+
+def test_eager_runs_the_same_way_for_its_own_spread(tmp_path):
+    """--eager: eager PyTorch run twice from fresh copies of the model, compared as turnip's runs are; on the
+    CPU eager repeats bitwise, and the weights compared are the model's."""
+    from turnip.bench import repeatability
+
+    out = tmp_path / "eager.json"
+    assert repeatability.main(["--tiny", "--model", "gpt1.3b", "--device", "cpu", "--eager", "--steps", "2",
+                               "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["system"] == "eager" and [row["step"] for row in doc["steps"]] == [1, 2]
+    for row in doc["steps"]:
+        assert row["same"] and row["weights"] > 0 and row["losses"][0] == row["losses"][1]
+    assert doc["steps"][0]["losses"][0] != doc["steps"][1]["losses"][0]  # the weights moved between steps
