@@ -16,6 +16,7 @@ from __future__ import annotations
 import _thread
 import copy
 import faulthandler
+import signal
 import sys
 import threading
 import time
@@ -58,6 +59,18 @@ def run_bounded(fn, timeout=DEADLINE_S):
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handled():
+    """Python's own SIGINT handler for each test. A process a non-interactive shell starts in the
+    background inherits SIGINT ignored, and ``_thread.interrupt_main`` does nothing then: these tests
+    would see no Ctrl-C at all (``nohup python -m pytest ... &`` failed five of them)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous in (signal.SIG_IGN, signal.SIG_DFL):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture
