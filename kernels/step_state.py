@@ -31,6 +31,9 @@ class RngReplay:
         # CUDA graph may hold it (memgraph/segments.py), where no state could be set per launch
         self.vertices = sorted((v for v in taskgraph.vertices if draws(v) and v.recompute_of < 0),
                                key=lambda v: (v.device, v.id))
+        # random by their schema, drawing nothing: they run with no state set
+        self.draws_nothing = frozenset(v.id for v in taskgraph.vertices
+                                       if v.random and v.recompute_of < 0 and not draws(v))
         self._scratch: dict[tuple, torch.Tensor] = {}
         self._advances: list[int] | None = None  # CUDA: offset advance of each random vertex
 
@@ -122,12 +125,15 @@ class StepContext:
         self.scalars = taskgraph.optimizer.scalars(step) if taskgraph.optimizer is not None else {}
         rng = rng if rng is not None else RngReplay(taskgraph, self.device)
         self.rng_states = rng.capture()
+        self._draws_nothing = rng.draws_nothing
 
     def rng_state(self, vertex: Vertex) -> torch.Tensor | None:
         if not vertex.random:
             return None
-        # absent: a vertex random by its schema that draws nothing (kernels/ops.py draws; RngReplay)
-        return self.rng_states.get(vertex.recompute_of if vertex.recompute_of >= 0 else vertex.id)
+        source = vertex.recompute_of if vertex.recompute_of >= 0 else vertex.id
+        if source in self._draws_nothing:  # random by its schema only (kernels/ops.py draws)
+            return None
+        return self.rng_states[source]
 
     def run(self, vertex: Vertex, resolve: Resolve, outputs: Sequence[torch.Tensor | None]) -> None:
         run_vertex(vertex, resolve, outputs, self.scalars, self.rng_state(vertex), self.device)
