@@ -14,15 +14,17 @@ for d in ir memgraph planners engine kernels bench; do cp -r $REPO/.snap/old/$d 
 python3 -c "import turnip; print('new', turnip.__file__)"
 PYTHONPATH=/tmp/old:$PYTHONPATH python3 -c "import turnip, turnip.planners.driver as d; print('old', turnip.__file__, d.__file__)"
 S="python3 -m turnip.bench suite --steps 5 --warmup 2 --no-plots --isolate peers"
+i=0
 for spec in "$@"; do
+  i=$((i+1))
   IFS=: read M B TNEW TOLD SYS <<< "$spec"; SYS=${SYS:-eager,turnip}
-  TURNIP_COMMIT=$NEW_COMMIT TURNIP_CACHE_DIR=/tmp/costs_new_$M TURNIP_PLAN_CACHE_DIR=/tmp/plans_new_$M \
+  TURNIP_COMMIT=$NEW_COMMIT TURNIP_CACHE_DIR=/tmp/costs_new_${M}_$i TURNIP_PLAN_CACHE_DIR=/tmp/plans_new_${M}_$i \
     timeout $TNEW $S --systems $SYS --models $M --budgets $B --compile-again --system-limit 300 --time-limit $((TNEW-5)) \
-    --out $R/new_$M --tag s20new_c$CALL > $R/${M}_new_c$CALL.log 2>&1
+    --out $R/new_$M --tag s20new_c${CALL}_$i > $R/${M}_new_c${CALL}_$i.log 2>&1
   if [ "$TOLD" != 0 ]; then
-    TURNIP_COMMIT=0b4edfc PYTHONPATH=/tmp/old:$PYTHONPATH TURNIP_CACHE_DIR=/tmp/costs_old_$M TURNIP_PLAN_CACHE_DIR=/tmp/plans_old_$M \
+    TURNIP_COMMIT=0b4edfc PYTHONPATH=/tmp/old:$PYTHONPATH TURNIP_CACHE_DIR=/tmp/costs_old_${M}_$i TURNIP_PLAN_CACHE_DIR=/tmp/plans_old_${M}_$i \
       timeout $TOLD $S --systems $SYS --models $M --budgets $B --system-limit 400 --time-limit $((TOLD-5)) \
-      --out $R/old_$M --tag s20old_c$CALL > $R/${M}_old_c$CALL.log 2>&1
+      --out $R/old_$M --tag s20old_c${CALL}_$i > $R/${M}_old_c${CALL}_$i.log 2>&1
   fi
 done
 cd $R && tar czf $OUT/rows_c$CALL.tgz . && ls -la $OUT
