@@ -95,3 +95,40 @@ def test_a_cast_the_plan_offloads_is_recomputed_instead():
     fixed = build(tg, amended, alignment=kept.alignment)
     assert not any(mv.kind in (Kind.OFFLOAD, Kind.RELOAD) for mv in fixed.vertices)
     trains_as_eager(fixed, tg, model, mixed, batches, make_opt)
+
+
+def test_a_runner_up_close_behind_is_amended_and_taken_where_it_then_runs_fastest(monkeypatch):
+    """compile's pick among built candidates (build_candidates): the fastest is amended, and so is every
+    candidate simulated within AMEND_WITHIN of it, since the builder's evictions alone may slow it; the
+    fastest after amending wins. One further behind is not amended (a build and a simulation saved)."""
+    from turnip.ir.plan import Plan
+    from turnip.memgraph import compiler
+
+    @dataclasses.dataclass(eq=False)
+    class Candidate:  # what build_candidates reads of a MemGraph
+        plan: Plan
+        stats: dict
+
+    def candidate(planner: str, seconds: float) -> Candidate:
+        return Candidate(Plan(gpu_budget=1, planner=planner), {"simulated_step_s": seconds})
+
+    fastest, close, far = candidate("ilp", 0.200), candidate("greedy", 0.208), candidate("greedy", 0.300)
+    built = [compiler.Built(k, mg.plan, "ahead", mg) for k, mg in enumerate([fastest, close, far])]
+    monkeypatch.setattr(compiler, "built_walks", lambda *args, **kwargs: (list(built), []))
+    amended = {id(close): candidate("greedy", 0.195)}  # its eviction recomputed
+    asked = []
+
+    def amend(tg, mg, walk, alignment, costs, backend):
+        asked.append(mg)
+        found = amended.get(id(mg))
+        if found is None:
+            return mg
+        found.stats["simulated_candidates"] = {"greedy+recomputed evictions": 0.195}
+        return found
+
+    monkeypatch.setattr(compiler, "amended_if_faster", amend)
+    assert compiler.AMEND_WITHIN * 0.200 >= 0.208
+    picked, walk, _ = compiler.build_candidates(None, [mg.plan for mg in (fastest, close, far)], 64, None, "cuda")
+    assert picked is amended[id(close)] and walk == "ahead"
+    assert asked == [fastest, close]  # the far one was never amended
+    assert set(picked.stats["simulated_candidates"]) > {"greedy+recomputed evictions"}  # the others' times kept
