@@ -862,7 +862,7 @@ def build_candidates(tg, candidates: list[Plan], alignment: int, costs, backend:
     picked = amended_if_faster(tg, best, walk, alignment, costs, backend)
     if len(mgs) > 1:
         # a runner-up close behind may be slowed by the builder's evictions alone, and amended run faster
-        # than the pick (amend_within)
+        # than the pick (AMEND_WITHIN)
         within = AMEND_WITHIN * simulated_step(best, costs, backend)
         for b in found:
             if b.mg is best or simulated_step(b.mg, costs, backend) > within:
