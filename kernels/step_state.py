@@ -29,11 +29,10 @@ class RngReplay:
         # device 0's micro-batch, then device 1's (trace/data_parallel.py keeps each one's order)
         # only the vertices that draw: an attention op without dropout leaves the generator as it was, and a
         # CUDA graph may hold it (memgraph/segments.py), where no state could be set per launch
-        self.vertices = sorted((v for v in taskgraph.vertices if draws(v) and v.recompute_of < 0),
-                               key=lambda v: (v.device, v.id))
+        random = [v for v in taskgraph.vertices if v.random and v.recompute_of < 0]
+        self.vertices = sorted((v for v in random if draws(v)), key=lambda v: (v.device, v.id))
         # random by their schema, drawing nothing: they run with no state set
-        self.draws_nothing = frozenset(v.id for v in taskgraph.vertices
-                                       if v.random and v.recompute_of < 0 and not draws(v))
+        self.draws_nothing = frozenset(v.id for v in random if not draws(v))
         self._scratch: dict[tuple, torch.Tensor] = {}
         self._advances: list[int] | None = None  # CUDA: offset advance of each random vertex
 
