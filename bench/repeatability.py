@@ -68,12 +68,10 @@ def runs_of(mg, batch, steps: int, runs: int, device: str) -> list[list[dict]]:
 def eager_runs(workload, device: str, steps: int, runs: int) -> list[list[dict]]:
     """As runs_of, for eager PyTorch on one device: each run a fresh copy of the workload's model and
     optimizer (its fused kernel on CUDA), the same batch every step."""
-    spec = workload.optimizer
-    options = {**spec.kwargs, "fused": True} if is_cuda(device) else spec.kwargs
     out = []
     for _ in range(runs):
         model = workload.fresh_model(device)
-        optimizer = spec.cls(trainable(model), **options)
+        optimizer = workload.optimizer(trainable(model), fused=is_cuda(device))
         batch = workload.batch_on(device)
         run = []
         for step in range(1, steps + 1):

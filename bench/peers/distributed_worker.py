@@ -161,9 +161,9 @@ class Trainer:
 
 def adamw(workload: Workload, params, fused: bool) -> tuple[torch.optim.Optimizer, str]:
     """The workload's optimizer with its options, fused where asked (the fastest CUDA AdamW)."""
-    kwargs = dict(workload.optimizer.kwargs, **({"fused": True} if fused else {}))
+    kwargs = workload.optimizer.options(fused)
     label = f"{workload.optimizer.name}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
-    return workload.optimizer.cls(params, **kwargs), label
+    return workload.optimizer(params, fused=fused), label
 
 
 def plain_state(state: dict) -> dict:

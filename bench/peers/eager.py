@@ -55,4 +55,4 @@ def run_fused(workload: Workload, device, steps: int, **kw) -> PeerResult:
     a user can pick, the numbers of the same update rounded as that kernel rounds them."""
     spec = workload.optimizer
     return run(workload, device, steps, "eager_fused",
-               make_optimizer=lambda params: spec.cls(params, **{**spec.kwargs, "fused": True}), **kw)
+               make_optimizer=lambda params: spec(params, fused=True), **kw)
